@@ -1,0 +1,19 @@
+"""sonar-fx: in-backward expert updates for memory-efficient MoE training, as a torch.compile pass."""
+
+from sonar_fx.api import compile, prepare
+from sonar_fx.config import AdamWConfig
+from sonar_fx.experts.discovery import ExpertLayer, ExpertTensor, NoExpertsFoundError, discover_experts
+from sonar_fx.optim.optimizer import SonarOptimizer, SonarUsageError
+
+__all__ = [
+    "AdamWConfig",
+    "ExpertLayer",
+    "ExpertTensor",
+    "NoExpertsFoundError",
+    "SonarOptimizer",
+    "SonarUsageError",
+    "compile",
+    "discover_experts",
+    "prepare",
+]
+__version__ = "0.1.0"

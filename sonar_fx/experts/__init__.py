@@ -1,0 +1,1 @@
+"""Expert tensors: discovery, layouts and the expert kernels that compute with them."""

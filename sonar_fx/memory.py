@@ -1,0 +1,68 @@
+"""Peak memory of one training step, measured honestly on CPU and on CUDA.
+
+CPU: the profiler's allocator events (every allocation and free with its byte count) are summed in
+time order; the peak of that running sum is the most tensor bytes allocated ABOVE the start of the
+measured region, i.e. transient step memory. CUDA: `max_memory_allocated` / `max_memory_reserved`
+after `reset_peak_memory_stats`. This module measures; it never changes what it measures.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peaks of one measured region, in bytes."""
+
+    peak_bytes: int
+    """Peak tensor bytes above the region's start (CPU: allocator events; CUDA: max allocated - start)."""
+    allocated_bytes: int | None = None
+    """CUDA only: `torch.cuda.max_memory_allocated()` (absolute)."""
+    reserved_bytes: int | None = None
+    """CUDA only: `torch.cuda.max_memory_reserved()` (absolute)."""
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / 2**20
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, PeakMemory]:
+    """Run `fn()` once and return its result with the peak memory it needed."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        allocated = torch.cuda.max_memory_allocated(device)
+        return result, PeakMemory(allocated - start, allocated, torch.cuda.max_memory_reserved(device))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    return result, PeakMemory(peak_live_bytes(prof))
+
+
+def peak_live_bytes(prof: profile) -> int:
+    """Peak of the running sum of CPU allocator events recorded by `prof`, in bytes (>= 0)."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    events = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()  # type: ignore[union-attr]
+        peak = max(peak, live)
+    return peak
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

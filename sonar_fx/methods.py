@@ -1,0 +1,126 @@
+"""Training methods as first-class objects: Sonar and the baselines it is measured against.
+
+One `TrainingMethod.train_step(batch)` runs any of them, so tests, benchmarks and the CLI compare
+like with like:
+- standard: all gradients kept, global-norm clip of ALL gradients, one fused AdamW at step();
+- standard_no_expert_clip: the same, clipping only the dense gradients (Sonar's exact twin);
+- oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
+- sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
+Execution: compiler "eager", or "aot_eager" / "inductor" through torch.compile; for sonar,
+`sonar_pass=False` keeps the hooks on a compiled model instead of the graph pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from sonar_fx import api
+from sonar_fx.config import AdamWConfig
+from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.optim.optimizer import Granularity
+
+METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar", "sonar_per_expert")
+
+
+@dataclass
+class TrainingMethod:
+    """A model to run and the optimizer that trains it, behind one step function."""
+
+    name: str
+    compiler: str
+    model: Callable[..., Any]
+    optimizer: torch.optim.Optimizer | None
+    clip_params: list[nn.Parameter] = field(default_factory=list)
+    """Parameters whose gradients `optimizer_step` clips by global norm (empty: no clipping)."""
+    max_grad_norm: float | None = None
+    hook_optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
+
+    def forward_backward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        loss = self.model(**batch).loss
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.optimizer is None:
+            return
+        if self.clip_params and self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.clip_params, self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, batch: Mapping[str, Tensor]) -> Tensor:
+        loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+    @property
+    def param_groups_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer an LR scheduler should drive (None for oib_all's per-parameter optimizers)."""
+        return self.optimizer
+
+
+def build_method(
+    name: str,
+    model: nn.Module,
+    cfg: AdamWConfig,
+    *,
+    compiler: str = "eager",
+    sonar_pass: bool = True,
+    experts: Any = None,
+    **sonar_kwargs: Any,
+) -> TrainingMethod:
+    """Wrap `model` for training with method `name` (see the module docstring)."""
+    if name not in METHODS:
+        raise ValueError(f"Unknown method {name!r}: expected one of {', '.join(METHODS)}.")
+    if compiler not in api.COMPILERS:
+        raise ValueError(f"compiler={compiler!r}: expected one of {', '.join(api.COMPILERS)}.")
+    if name.startswith("sonar"):
+        granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
+        if compiler != "eager" and not sonar_pass:
+            optimizer = api.prepare(model, cfg, experts=experts, granularity=granularity, **sonar_kwargs)
+            run = _compiled(model, compiler)
+        else:
+            run = api.compile(
+                model, cfg, compiler=cast(api.Compiler, compiler), experts=experts, granularity=granularity,
+                **sonar_kwargs,
+            )  # fmt: skip
+            optimizer = api.sonar_of(run)
+        return TrainingMethod(name, compiler, run, optimizer)
+    run = model if compiler == "eager" else _compiled(model, compiler)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "oib_all":
+        return TrainingMethod(name, compiler, run, None, hook_optimizers=_hook_every_param(params, cfg))
+    adamw = _adamw(params, cfg)
+    if name == "standard":
+        clip = params
+    else:
+        expert_ids = {id(t.param) for layer in discover_experts(model, experts) for t in layer.tensors}
+        clip = [p for p in params if id(p) not in expert_ids]
+    return TrainingMethod(name, compiler, run, adamw, clip if cfg.clips else [], cfg.max_grad_norm)
+
+
+def _adamw(params: list[nn.Parameter], cfg: AdamWConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
+    )
+
+
+def _compiled(model: nn.Module, compiler: str) -> Callable[..., Any]:
+    return torch.compile(model, backend=compiler)
+
+
+def _hook_every_param(params: list[nn.Parameter], cfg: AdamWConfig) -> dict[int, torch.optim.Optimizer]:
+    optimizers: dict[int, torch.optim.Optimizer] = {id(p): _adamw([p], cfg) for p in params}
+
+    def step_and_free(p: Tensor) -> None:
+        optimizers[id(p)].step()
+        p.grad = None
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(step_and_free)
+    return optimizers

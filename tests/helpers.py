@@ -1,0 +1,44 @@
+"""Shared test helpers: tiny models, fixed batches, and exact comparisons of training state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sonar_fx.config import AdamWConfig
+from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.models import build_model
+
+# lr large enough that bf16 weights visibly move in 3 steps; small clip so clipping is active.
+CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=0.5)
+
+
+def batches(n: int, *, vocab: int = 259, batch: int = 2, seq: int = 16, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def trained(
+    method: str, model_name: str, dtype: torch.dtype, steps: int = 3, cfg: AdamWConfig = CFG, **kwargs
+) -> tuple[nn.Module, TrainingMethod]:
+    model = build_model(model_name, dtype=dtype, seed=0)
+    m = build_method(method, model, cfg, **kwargs)
+    for b in batches(steps):
+        m.train_step(b)
+    return model, m
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    diff = [n for n in pa if not torch.equal(pa[n], pb[n])]
+    assert not diff, f"{len(diff)} tensors differ, e.g. {diff[:3]}"
+
+
+def weights_differ(a: nn.Module, b: nn.Module) -> list[str]:
+    pb = dict(b.named_parameters())
+    return [n for n, p in a.named_parameters() if not torch.equal(p, pb[n])]
