@@ -1,0 +1,1 @@
+"""Expert kernel backends: one interface over the torch reference, ScatterMoE and SonicMoE."""
