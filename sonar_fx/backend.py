@@ -1,5 +1,131 @@
-"""placeholder"""
+"""The "sonar" dynamo backend: AOTAutograd with the expert-update pass on every backward graph.
+
+Wiring only. Expert parameters are recognised by identity among the dynamo example inputs (they are
+the real `nn.Parameter` objects), mapped to update slots, and handed to a partitioner that runs the
+default min-cut partition and then `expert_update_pass` on the backward graph, where it can see the
+forward graph's saved values. Inductor's caches key on the partitioner's uuid (the pass's source, the
+slot map and the knobs), so they never serve a graph compiled without the pass. A compiler failure
+warns once and runs the graph eagerly, where the expert hooks do the updates; it never trains wrong.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx import GraphModule
+
+from sonar_fx import passes
+from sonar_fx.optim import slots
+from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.passes import Placement
+
+_PASS_FILES = tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
 
 
-def make_sonar_backend(compiler, fallback=True):
-    raise NotImplementedError
+class SonarPartitioner(CustomPartitionerFn):
+    """Default min-cut partition, then the expert-update pass on the backward graph."""
+
+    def __init__(self, slots_by_input: dict[int, int], *, placement: Placement, fail: bool = False) -> None:
+        self.slots_by_input = slots_by_input
+        self.placement = placement
+        self.fail = fail
+        self.inserted = 0
+
+    def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        if self.fail:
+            raise RuntimeError("sonar: forced compiler failure (fail_compile=True)")
+        primals = joint_inputs[0]
+        if not isinstance(primals, (list, tuple)) or len(fw_gm.graph.find_nodes(op="placeholder")) != len(
+            primals
+        ):
+            return fw_gm, bw_gm  # a nested subgraph: its inputs are not the dynamo graph's inputs
+        bw_gm = passes.expert_update_pass(
+            bw_gm, fw_gm=fw_gm, slots_by_input=self.slots_by_input, placement=self.placement
+        )
+        self.inserted += len(bw_gm.meta["sonar_updates"])
+        return fw_gm, bw_gm
+
+    def uuid(self) -> Any:
+        knobs = f"{sorted(self.slots_by_input.items())}|{self.placement}|{self.fail}"
+        return get_hash_for_files((*_PASS_FILES, __file__), knobs).hex()
+
+
+def make_sonar_backend(
+    compiler: str = "inductor",
+    *,
+    fallback: bool = True,
+    placement: Placement = "after_alias_readers",
+    fail_compile: bool = False,
+) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
+    """A dynamo backend. `placement` and `fail_compile` are test knobs (the naive-placement ablation
+    and a forced failure that exercises the fallback)."""
+    if compiler not in ("inductor", "aot_eager"):
+        raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
+
+    def sonar_backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        slots_by_input = {i: s for i, x in enumerate(example_inputs) if (s := slots.slot_of(x)) is not None}
+        optimizer = slots.optimizer_of(next(iter(slots_by_input.values()))) if slots_by_input else None
+        partitioner = SonarPartitioner(slots_by_input, placement=placement, fail=fail_compile)
+        try:
+            compiled = _compile(gm, example_inputs, compiler, partitioner if slots_by_input else None)
+        except Exception as err:
+            if not fallback or optimizer is None:
+                raise
+            _record_fallback(optimizer, err)
+            return gm.forward
+        if optimizer is not None:
+            _record_compile(optimizer, partitioner.inserted)
+        return compiled
+
+    return sonar_backend
+
+
+def _compile(
+    gm: GraphModule, example_inputs: list[Any], compiler: str, partitioner: SonarPartitioner | None
+) -> Callable[..., Any]:
+    if compiler == "aot_eager":
+        partition_fn = partitioner or min_cut_rematerialization_partition
+        backend = aot_autograd(
+            fw_compiler=boxed_nop, partition_fn=partition_fn, keep_inference_input_mutations=True
+        )
+        return backend(gm, example_inputs)
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with inductor_config.patch(custom_partitioner_fn=partitioner):
+        return compile_fx(gm, example_inputs)
+
+
+def _record_compile(optimizer: SonarOptimizer, inserted: int) -> None:
+    stats = optimizer.stats
+    stats.graphs_compiled += 1
+    stats.updates_inserted += inserted
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
+        stats.recompiles += 1
+
+
+def _record_fallback(optimizer: SonarOptimizer, err: Exception) -> None:
+    cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if cause not in optimizer.stats.fallbacks:
+        optimizer.stats.fallbacks.append(cause)
+        warnings.warn(
+            f"sonar: compilation failed ({cause}); this graph runs eagerly and its expert tensors are "
+            "updated by hooks. Pass fallback=False to raise instead.",
+            stacklevel=2,
+        )
+
+
+@torch._dynamo.register_backend(name="sonar")
+def sonar(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
+    return make_sonar_backend("inductor")(gm, example_inputs)

@@ -2,8 +2,9 @@
 
 Each hook applies the fused AdamW update as soon as the tensor's gradient is complete and frees it,
 so at most one layer of expert gradients is alive. Under the compiled pass the same hooks are the
-safety net for gradients computed outside any compiled graph (a hook never fires for a tensor whose
-gradient the graph consumed). Hooks never clip, never scale, and never touch dense parameters.
+safety net for gradients computed outside any compiled graph (a hook finds no gradient, and does
+nothing, for a tensor whose gradient the graph consumed). Hooks never clip, never scale, and never
+touch dense parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def register_expert_hooks(optimizer: SonarOptimizer) -> list[RemovableHandle]:
 
 def _make_hook(optimizer: SonarOptimizer):
     def update_and_free(param: Tensor) -> None:
-        assert param.grad is not None  # autograd calls this hook only after accumulating a grad
+        if param.grad is None:
+            return  # the compiled graph consumed this gradient (it returned None) and updated in-graph
         optimizer.update_expert_(param, param.grad, path="hook")
         param.grad = None
 

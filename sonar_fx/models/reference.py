@@ -54,7 +54,9 @@ class ReferenceExperts(nn.Module):
         k = top_k_index_Tk.shape[1]
         expert_S, perm_S = torch.sort(top_k_index_Tk.reshape(-1), stable=True)
         x_Sd = h_Td[perm_S // k]
-        counts_E = torch.bincount(expert_S, minlength=self.num_experts)
+        # A static-shape count (bincount's output size depends on the data and breaks the graph).
+        counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_S.device)
+        counts_E = counts_E.index_add_(0, expert_S, torch.ones_like(expert_S))
         offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
         gate_Sn, up_Sn = grouped_mm(x_Sd, self.gate_up_proj, offs_E).chunk(2, dim=-1)
         y_Sd = grouped_mm(F.silu(gate_Sn) * up_Sn, self.down_proj, offs_E)

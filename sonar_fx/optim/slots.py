@@ -27,23 +27,23 @@ class Slot:
 
 _counter = itertools.count()
 _by_id: dict[int, Slot] = {}
-_by_param: weakref.WeakKeyDictionary[Tensor, Slot] = weakref.WeakKeyDictionary()
+# Keyed by id(): tensors compare element-wise, so they cannot be dictionary keys by value. A stale id
+# (its tensor gone, the id reused) is caught by checking the slot's weak reference.
+_by_param_id: dict[int, Slot] = {}
 
 
 def register(optimizer: SonarOptimizer, param: Tensor) -> int:
     """Give `param` a slot owned by `optimizer` (re-registering moves it to the new optimizer)."""
     slot = Slot(next(_counter), weakref.ref(param), weakref.ref(optimizer))
     _by_id[slot.slot_id] = slot
-    _by_param[param] = slot
+    _by_param_id[id(param)] = slot
     return slot.slot_id
 
 
 def slot_of(param: object) -> int | None:
     """The slot of an expert parameter, or None for any other object."""
-    if not isinstance(param, Tensor):
-        return None
-    slot = _by_param.get(param)
-    return None if slot is None else slot.slot_id
+    slot = _by_param_id.get(id(param)) if isinstance(param, Tensor) else None
+    return None if slot is None or slot.param_ref() is not param else slot.slot_id
 
 
 def update_from_slot(slot_id: int, grad: Tensor, *, path: str) -> None:
@@ -51,9 +51,15 @@ def update_from_slot(slot_id: int, grad: Tensor, *, path: str) -> None:
     slot = _by_id.get(slot_id)
     param = slot.param_ref() if slot else None
     optimizer = slot.optimizer_ref() if slot else None
-    if param is None or optimizer is None or _by_param.get(param) is not slot:
+    if param is None or optimizer is None or _by_param_id.get(id(param)) is not slot:
         raise RuntimeError(
             f"Sonar update slot {slot_id} is stale: its parameter or optimizer is gone, or the model was "
             "prepared again. Recompile the model after sonar_fx.prepare / sonar_fx.compile."
         )
     optimizer.update_expert_(param, grad, path=path)
+
+
+def optimizer_of(slot_id: int) -> SonarOptimizer | None:
+    """The optimizer owning `slot_id`, if it is still alive."""
+    slot = _by_id.get(slot_id)
+    return slot.optimizer_ref() if slot else None

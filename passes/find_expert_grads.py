@@ -1,0 +1,105 @@
+"""Find, in an AOTAutograd backward graph, the nodes that produce expert weight gradients.
+
+Input: the forward and backward graphs of one partition and `slots_by_input` (forward input index
+-> expert update slot; the backend maps inputs to expert parameters by identity). The backward graph
+returns one output per forward input, in order. For each expert output this walks back through view
+ops to the producing node, classifies it, and finds the backward-graph nodes that alias the
+parameter (the saved weight and its saved views, by fake-tensor storage identity). Analysis only:
+it never changes a graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from sonar_fx.passes.graph_utils import is_view, storage_of, view_closure
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class ExpertGrad:
+    """Where one expert tensor's gradient comes from in a backward graph."""
+
+    input_index: int
+    """Index of the parameter among the forward inputs (= index of its gradient among the outputs)."""
+    slot: int
+    """Update slot of the parameter (see `sonar_fx.optim.slots`)."""
+    grad: Node
+    """The node returned as the gradient (possibly a view of `producer`)."""
+    producer: Node
+    """The first non-view node behind `grad`: the weight-gradient computation."""
+    kind: str
+    """Classification of `producer`: grouped_mm, bmm, mm, a custom op's name, or other:<target>."""
+    aliases: tuple[Node, ...]
+    """Backward-graph nodes that alias the parameter's storage (saved weight, its views)."""
+    readers: tuple[Node, ...]
+    """Non-view users of `aliases`: every node that reads the weight in backward."""
+
+
+def find_expert_grads(
+    fw_gm: GraphModule, bw_gm: GraphModule, slots_by_input: Mapping[int, int]
+) -> list[ExpertGrad]:
+    """One `ExpertGrad` per expert input whose gradient the backward graph returns."""
+    primals = fw_gm.graph.find_nodes(op="placeholder")
+    outputs = _outputs(bw_gm)
+    if len(outputs) != len(primals):
+        raise ValueError(
+            f"backward graph returns {len(outputs)} gradients for {len(primals)} forward inputs; "
+            "cannot map gradients to expert parameters"
+        )
+    found = []
+    for index, slot in sorted(slots_by_input.items()):
+        grad = outputs[index]
+        if not isinstance(grad, Node):
+            continue  # no gradient for this input in this graph
+        producer = _walk_back_views(grad)
+        aliases = _param_aliases(bw_gm, primals[index])
+        readers = tuple(u for a in aliases for u in a.users if not is_view(u) and u.op != "output")
+        found.append(ExpertGrad(index, slot, grad, producer, classify(producer), aliases, readers))
+    return found
+
+
+def classify(producer: Node) -> str:
+    """A short name for the kind of node that computes a weight gradient."""
+    target = producer.target
+    if target is aten._grouped_mm.default:
+        return "grouped_mm"
+    if target in (aten.bmm.default, aten.mm.default):
+        return "bmm" if target is aten.bmm.default else "mm"
+    if target is operator.getitem and isinstance(producer.args[0], Node):
+        inner = producer.args[0].target
+        if isinstance(inner, torch._ops.HigherOrderOperator) and "auto_functionalized" in inner.name():
+            op = producer.args[0].args[0]
+            return f"auto_functionalized:{getattr(op, '_name', op)}"
+        if isinstance(inner, torch._ops.OpOverload):
+            return inner._schema.name
+    if isinstance(target, torch._ops.OpOverload):
+        return f"other:{target._schema.name}"
+    return f"other:{target}"
+
+
+def _outputs(gm: GraphModule) -> list[object]:
+    (output,) = gm.graph.find_nodes(op="output")
+    return list(output.args[0])  # type: ignore[arg-type]
+
+
+def _walk_back_views(node: Node) -> Node:
+    while is_view(node):
+        parent = node.args[0]
+        assert isinstance(parent, Node)
+        node = parent
+    return node
+
+
+def _param_aliases(bw_gm: GraphModule, primal: Node) -> tuple[Node, ...]:
+    """Backward placeholders sharing the primal's storage, and every view taken of them."""
+    storage = storage_of(primal)
+    if storage is None:
+        return ()
+    roots = [p for p in bw_gm.graph.find_nodes(op="placeholder") if storage_of(p) == storage]
+    return tuple(view_closure(roots))
