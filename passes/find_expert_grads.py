@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from sonar_fx.passes.graph_utils import is_view, storage_of, view_closure
+from sonar_fx.passes.graph_utils import is_view, shares_storage, storage_of, view_closure
 from torch.fx import GraphModule, Node
 
 aten = torch.ops.aten
@@ -85,7 +85,7 @@ def classify(producer: Node) -> str:
 
 def _outputs(gm: GraphModule) -> list[object]:
     (output,) = gm.graph.find_nodes(op="output")
-    return list(output.args[0])  # type: ignore[arg-type]
+    return list(output.args[0])
 
 
 def _walk_back_views(node: Node) -> Node:
@@ -101,5 +101,5 @@ def _param_aliases(bw_gm: GraphModule, primal: Node) -> tuple[Node, ...]:
     storage = storage_of(primal)
     if storage is None:
         return ()
-    roots = [p for p in bw_gm.graph.find_nodes(op="placeholder") if storage_of(p) == storage]
+    roots = [p for p in bw_gm.graph.find_nodes(op="placeholder") if shares_storage(p, storage)]
     return tuple(view_closure(roots))

@@ -65,6 +65,12 @@ def storage_of(node: Node) -> StorageWeakRef | None:
         return None
 
 
+def shares_storage(node: Node, storage: StorageWeakRef) -> bool:
+    """Whether `node`'s tensor value lives in `storage` (False for non-tensor values)."""
+    mine = storage_of(node)
+    return mine is not None and mine == storage
+
+
 def view_closure(roots: list[Node]) -> list[Node]:
     """`roots` and every node reachable from them through view ops, in discovery order."""
     seen: dict[Node, None] = dict.fromkeys(roots)

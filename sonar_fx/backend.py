@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
@@ -102,7 +102,7 @@ def _compile(
     from torch._inductor.compile_fx import compile_fx
 
     with inductor_config.patch(custom_partitioner_fn=partitioner):
-        return compile_fx(gm, example_inputs)
+        return cast(Callable[..., Any], compile_fx(gm, example_inputs))
 
 
 def _record_compile(optimizer: SonarOptimizer, inserted: int) -> None:

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from helpers import CFG, assert_same_weights, batches, trained, weights_differ
 
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
+
+from helpers import CFG, assert_same_weights, batches, trained, weights_differ
 
 MODELS = ["tiny-olmoe", "tiny-granitemoe"]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -8,12 +8,13 @@ regime), so the prediction (all expert-gradient bytes minus one layer) is what t
 
 import pytest
 import torch
-from helpers import CFG, batches
 
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.memory import measure_peak
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
+
+from helpers import CFG, batches
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_experts=32, num_layers=4)
 

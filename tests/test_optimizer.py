@@ -5,10 +5,11 @@ import io
 
 import pytest
 import torch
-from helpers import CFG, assert_same_weights, batches
 
 import sonar_fx
 from sonar_fx.models import build_model
+
+from helpers import CFG, assert_same_weights, batches
 
 
 def _sonar(seed=0, **kwargs):
