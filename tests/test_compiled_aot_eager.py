@@ -151,8 +151,9 @@ def test_activation_checkpointing_stays_exact():
     def run(method):
         torch._dynamo.reset()
         model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
         model.train()
+        assert model.is_gradient_checkpointing
         return trained_on(model, method, "aot_eager")
 
     sonar_model, method = run("sonar")
