@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from sonar_fx.backend import make_sonar_backend
+from sonar_fx.backend import make_sonar_backend, record_fallback
 from sonar_fx.config import AdamWConfig
 from sonar_fx.eager import register_expert_hooks
 from sonar_fx.experts.discovery import discover_experts
@@ -90,7 +90,33 @@ def compile(
     backend = make_sonar_backend(compiler, fallback=fallback)
     optimizer.compiler = compiler
     # The compiled wrapper forwards missing attributes to `model`, so `compiled.sonar` is the optimizer.
-    return cast(nn.Module, torch.compile(model, backend=backend, **torch_compile_kwargs))
+    compiled = cast(nn.Module, torch.compile(model, backend=backend, **torch_compile_kwargs))
+    if fallback:
+        _fall_back_on_dynamo_errors(compiled, model, optimizer)
+    return compiled
+
+
+def _fall_back_on_dynamo_errors(compiled: nn.Module, model: nn.Module, optimizer: SonarOptimizer) -> None:
+    """Run `model` eagerly (hooks update the experts) from the first dynamo failure on.
+
+    Backend failures (AOTAutograd, inductor, the pass) are caught per graph by the backend; this
+    catches what fails before any backend runs (tracing errors, e.g. a graph break under
+    fullgraph=True). A forward that failed to compile has run no backward, so nothing was updated
+    yet and running it again eagerly is safe.
+    """
+    compiled_forward = compiled.forward
+    failed: list[str] = []
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if failed:
+            return model(*args, **kwargs)
+        try:
+            return compiled_forward(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            failed.append(record_fallback(optimizer, err))
+            return model(*args, **kwargs)
+
+    compiled.forward = forward
 
 
 def _check_dtypes_and_devices(layers) -> None:

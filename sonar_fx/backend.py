@@ -80,7 +80,7 @@ def make_sonar_backend(
         except Exception as err:
             if not fallback or optimizer is None:
                 raise
-            _record_fallback(optimizer, err)
+            record_fallback(optimizer, err)
             return gm.forward
         if optimizer is not None:
             _record_compile(optimizer, partitioner.inserted)
@@ -101,7 +101,12 @@ def _compile(
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    with inductor_config.patch(custom_partitioner_fn=partitioner):
+    # Compile the backward now, not lazily at the first backward(), so that its failures reach the
+    # fallback before any forward has run on this graph.
+    with (
+        inductor_config.patch(custom_partitioner_fn=partitioner),
+        torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
+    ):
         return cast(Callable[..., Any], compile_fx(gm, example_inputs))
 
 
@@ -114,7 +119,8 @@ def _record_compile(optimizer: SonarOptimizer, inserted: int) -> None:
         stats.recompiles += 1
 
 
-def _record_fallback(optimizer: SonarOptimizer, err: Exception) -> None:
+def record_fallback(optimizer: SonarOptimizer, err: Exception) -> str:
+    """Note why compilation fell back to eager hooks; warn once per cause."""
     cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     if cause not in optimizer.stats.fallbacks:
         optimizer.stats.fallbacks.append(cause)
@@ -123,6 +129,7 @@ def _record_fallback(optimizer: SonarOptimizer, err: Exception) -> None:
             "updated by hooks. Pass fallback=False to raise instead.",
             stacklevel=2,
         )
+    return cause
 
 
 @torch._dynamo.register_backend(name="sonar")

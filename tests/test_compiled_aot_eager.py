@@ -160,3 +160,20 @@ def test_activation_checkpointing_stays_exact():
     twin, _ = run("standard_no_expert_clip")
     assert_same_weights(sonar_model, twin)
     assert method.optimizer.stats.updates == {"graph": 12}
+
+
+def test_dynamo_failure_falls_back_to_hooks_and_warns_once(eager_twins):
+    torch._dynamo.reset()
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    _graph_break_before_layer_1(model)  # an error under fullgraph=True, before any backend runs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = sonar_fx.compile(model, CFG, compiler="aot_eager", fullgraph=True)
+        method = TrainingMethod("sonar", "aot_eager", compiled, compiled.sonar)
+        for b in batches(3):
+            method.train_step(b)
+    assert len([w for w in caught if "sonar: compilation failed" in str(w.message)]) == 1
+    report = compiled.sonar.report()
+    assert len(report["fallbacks"]) == 1 and report["fallbacks"][0].startswith("Unsupported")
+    assert compiled.sonar.stats.updates == {"hook": 12}
+    assert_same_weights(model, eager_twins[("tiny-olmoe", torch.bfloat16)])
