@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sonar_fx.experts.grouped import grouped_mm
+from sonar_fx.experts.kernels import experts_forward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,8 @@ class ReferenceMoEConfig:
     """Experts each token is routed to."""
     num_layers: int = 2
     """L: MoE layers."""
+    kernel: str = "torch"
+    """Expert kernel backend (`sonar_fx.experts.kernels.BACKENDS`); "torch" is the grouped GEMM below."""
 
 
 @dataclass
@@ -47,10 +50,14 @@ class ReferenceExperts(nn.Module):
         super().__init__()
         e, n, d = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
         self.num_experts = e
+        self.kernel = cfg.kernel  # `use_kernel_backend(model, name)` switches it per model
         self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * n, d) * d**-0.5)
         self.down_proj = nn.Parameter(torch.randn(e, d, n) * n**-0.5)
 
     def forward(self, h_Td: Tensor, top_k_index_Tk: Tensor, top_k_weights_Tk: Tensor) -> Tensor:
+        if self.kernel != "torch":
+            w_up, w_down = self.gate_up_proj, self.down_proj
+            return experts_forward(self.kernel, h_Td, top_k_index_Tk, top_k_weights_Tk, w_up, w_down)
         k = top_k_index_Tk.shape[1]
         expert_S, perm_S = torch.sort(top_k_index_Tk.reshape(-1), stable=True)
         x_Sd = h_Td[perm_S // k]

@@ -1,0 +1,215 @@
+"""The `scattermoe` backend: ScatterMoE's scatter-to-scatter expert GEMMs as `torch.library` ops.
+
+Legend: see `base.py`; `expert_S` / `order_S` are the stable sort of the flat top-k indices (sorted
+expert of slot i, and its token-major index), `fan_out` = k when x has one row per token.
+Two custom ops, each traced by torch.compile as one node:
+- `sonar_fx::scatter_mm(x, w_EKN, expert_S, order_S, fan_out, x_grouped, y_grouped) -> y`
+  (forward GEMM and, with w transposed, the input gradient);
+- `sonar_fx::scatter_group_xty(x, dy, expert_S, order_S, fan_out, x_grouped, dy_grouped, E,
+  dw_transposed) -> dw_EKN` (the weight gradient: the node the graph pass finds in the AOT backward).
+`scatter_mm` registers its autograd, so the backward graph holds exactly these two ops per GEMM.
+The kernels are the project's own (`triton_kernels.py`); when the upstream `scattermoe` package is
+installed with the API this adapter knows, its kernels run inside the same ops instead. Nothing here
+copies or updates a weight.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import warnings
+from functools import cache
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from sonar_fx.experts.kernels.base import BackendUnavailableError, ExpertLayout, Glu
+
+_UPSTREAM_NEEDS = {
+    "scatter2scatter": {
+        "X",
+        "W",
+        "sorted_expert_idxs",
+        "sorted_scattered_idxs",
+        "k",
+        "x_grouped",
+        "y_grouped",
+    },
+    "group": {"A", "sorted_expert_idxs", "fan_out"},
+    "group_bwd_W": {"DY", "X", "expert_offsets", "E"},
+}
+
+
+@cache
+def upstream_ops() -> ModuleType | None:
+    """`scattermoe.kernels.ops` when the upstream package is installed with a known API, else None."""
+    try:
+        ops = importlib.import_module("scattermoe.kernels.ops")
+    except ImportError:
+        return None
+    for name, needed in _UPSTREAM_NEEDS.items():
+        fn = getattr(ops, name, None)
+        params = set(inspect.signature(fn).parameters) if fn is not None else set()
+        if not needed <= params:
+            warnings.warn(
+                f"scattermoe is installed but scattermoe.kernels.ops.{name} lacks {sorted(needed - params)}; "
+                "sonar-fx runs its own ScatterMoE kernels instead.",
+                stacklevel=2,
+            )
+            return None
+    return ops
+
+
+def implementation() -> str:
+    """Which kernels the scattermoe backend runs: "upstream" (package `scattermoe`) or "sonar_fx"."""
+    return "upstream" if upstream_ops() is not None else "sonar_fx"
+
+
+@torch.library.custom_op("sonar_fx::scatter_mm", mutates_args=())
+def scatter_mm(
+    x: Tensor,
+    w_EKN: Tensor,
+    expert_S: Tensor,
+    order_S: Tensor,
+    fan_out: int,
+    x_grouped: bool,
+    y_grouped: bool,
+) -> Tensor:
+    """(S, N): row out_row(i) = x[in_row(i)] @ w_EKN[expert_S[i]] (see `triton_kernels.py`)."""
+    ops = upstream_ops()
+    if ops is not None:
+        return ops.scatter2scatter(
+            X=x, W=w_EKN, sorted_expert_idxs=expert_S, sorted_scattered_idxs=order_S, k=fan_out,
+            x_grouped=x_grouped, y_grouped=y_grouped,
+        )  # fmt: skip
+    from sonar_fx.experts.kernels.triton_kernels import scatter_mm_into
+
+    y = x.new_empty(order_S.shape[0], w_EKN.shape[2])
+    scatter_mm_into(y, x, w_EKN, expert_S, order_S, fan_out, x_grouped, y_grouped)
+    return y
+
+
+@scatter_mm.register_fake
+def _scatter_mm_fake(x, w_EKN, expert_S, order_S, fan_out, x_grouped, y_grouped) -> Tensor:
+    return x.new_empty(order_S.shape[0], w_EKN.shape[2])
+
+
+@torch.library.custom_op("sonar_fx::scatter_group_xty", mutates_args=())
+def scatter_group_xty(
+    x: Tensor,
+    dy: Tensor,
+    expert_S: Tensor,
+    order_S: Tensor,
+    fan_out: int,
+    x_grouped: bool,
+    dy_grouped: bool,
+    num_experts: int,
+    dw_transposed: bool,
+) -> Tensor:
+    """dw_EKN[e] = sum over slots of e of x[in_row]^T dy[out_row]; strides follow `dw_transposed`.
+
+    `dw_transposed=True` stores dw as the transpose of a contiguous (E, N, K) tensor: the layout of
+    the parameter when the forward received `param.transpose(1, 2)`, so the gradient reaches the
+    optimizer in the parameter's own layout without a copy.
+    """
+    dw_EKN = _new_dw(x, dy, num_experts, dw_transposed)
+    ops = upstream_ops()
+    if ops is not None:
+        x_g = x if x_grouped else ops.group(A=x, sorted_expert_idxs=order_S, fan_out=fan_out)
+        dy_g = dy if dy_grouped else ops.group(A=dy, sorted_expert_idxs=order_S, fan_out=1)
+        ends_E = torch.bincount(expert_S, minlength=num_experts).cumsum(0)
+        result = ops.group_bwd_W(DY=dy_g, X=x_g, expert_offsets=ends_E, E=num_experts)
+        dw_EKN.copy_(result[0] if isinstance(result, tuple) else result)  # (dw, dbias) in newer releases
+        return dw_EKN
+    from sonar_fx.experts.kernels.triton_kernels import group_xty_into
+
+    group_xty_into(dw_EKN, x, dy, expert_S, order_S, fan_out, x_grouped, dy_grouped)
+    return dw_EKN
+
+
+@scatter_group_xty.register_fake
+def _scatter_group_xty_fake(
+    x, dy, expert_S, order_S, fan_out, x_grouped, dy_grouped, num_experts, dw_transposed
+) -> Tensor:
+    return _new_dw(x, dy, num_experts, dw_transposed)
+
+
+def _new_dw(x: Tensor, dy: Tensor, num_experts: int, transposed: bool) -> Tensor:
+    k_in, n_out = x.shape[1], dy.shape[1]
+    if transposed:
+        return x.new_empty(num_experts, n_out, k_in).transpose(1, 2)
+    return x.new_empty(num_experts, k_in, n_out)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w_EKN, expert_S, order_S, fan_out, x_grouped, y_grouped = inputs
+    ctx.save_for_backward(x, w_EKN, expert_S, order_S)
+    ctx.fan_out, ctx.x_grouped, ctx.y_grouped = fan_out, x_grouped, y_grouped
+    # The parameter is (E, N, K) when the forward got its transpose: keep dw in the parameter's layout.
+    ctx.dw_transposed = w_EKN.stride(1) < w_EKN.stride(2)
+
+
+def _backward(ctx, dy: Tensor):
+    x, w_EKN, expert_S, order_S = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = dw_EKN = None
+    if ctx.needs_input_grad[0]:
+        # dx[in_row(i)] += dy[out_row(i)] @ w[e]^T: the same kernel with roles swapped; for a token-major
+        # x (fan_out k) it lands in token-major slot order, then the k copies of each token are summed.
+        dx = scatter_mm(dy, w_EKN.transpose(1, 2), expert_S, order_S, 1, ctx.y_grouped, ctx.x_grouped)
+        if not ctx.x_grouped and ctx.fan_out > 1:
+            dx = dx.view(x.shape[0], ctx.fan_out, -1).sum(dim=1)
+    if ctx.needs_input_grad[1]:
+        dw_EKN = scatter_group_xty(
+            x, dy, expert_S, order_S, ctx.fan_out, ctx.x_grouped, ctx.y_grouped, w_EKN.shape[0],
+            ctx.dw_transposed,
+        )  # fmt: skip
+    return dx, dw_EKN, None, None, None, None, None
+
+
+scatter_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def scattermoe_forward(
+    hidden_Td: Tensor,
+    index_Tk: Tensor,
+    weights_Tk: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    layout: ExpertLayout,
+    glu: Glu | None,
+) -> Tensor:
+    """The expert block with two scatter GEMMs: token rows in, token-major slot rows out."""
+    t, k = index_Tk.shape
+    # The ops take (E, in, out): the transpose of transformers' (E, out, in) weights, as a view.
+    w_up_EdN = w_up if layout.transposed else w_up.transpose(1, 2)
+    w_down_End = w_down if layout.transposed else w_down.transpose(1, 2)
+    expert_S, order_S = torch.sort(index_Tk.reshape(-1), stable=True)
+    x_Td = hidden_Td.to(w_up.dtype)
+    h_S2n = scatter_mm(x_Td, w_up_EdN, expert_S, order_S, k, False, True)
+    a_Sn = glu(h_S2n) if glu is not None else layout.glu(h_S2n)
+    y_Skd = scatter_mm(a_Sn, w_down_End, expert_S, order_S, 1, True, False)
+    out_Td = (y_Skd.view(t, k, -1) * weights_Tk.unsqueeze(-1)).sum(dim=1)
+    return out_Td.to(hidden_Td.dtype)
+
+
+def check_scattermoe(device: torch.device, dtype: torch.dtype) -> None:
+    """Triton must be importable; CPU needs Triton's interpreter (fp32 only: its bf16 dot is broken)."""
+    try:
+        import triton
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "The scattermoe backend needs triton: pip install 'sonar-fx[scattermoe]'."
+        ) from err
+    if device.type == "cuda":
+        return
+    if device.type != "cpu" or not triton.knobs.runtime.interpret:
+        raise BackendUnavailableError(
+            f"The scattermoe backend runs Triton kernels on CUDA; on {device.type} it runs only on CPU under "
+            "Triton's interpreter: set TRITON_INTERPRET=1 (slow, for tests) or use kernel backend 'torch'."
+        )
+    if dtype != torch.float32:
+        raise BackendUnavailableError(
+            f"Triton's interpreter computes scattermoe in fp32 only (got {dtype}); use fp32 or a GPU."
+        )
