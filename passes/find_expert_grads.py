@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from sonar_fx.passes.graph_utils import is_view, shares_storage, storage_of, view_closure
 from torch.fx import GraphModule, Node
+
+from sonar_fx.passes.graph_utils import is_view, shares_storage, storage_of, view_closure
 
 aten = torch.ops.aten
 
@@ -34,7 +35,8 @@ class ExpertGrad:
     producer: Node
     """The first non-view node behind `grad`: the weight-gradient computation."""
     kind: str
-    """Classification of `producer`: grouped_mm, bmm, mm, a custom op's name, or other:<target>."""
+    """Classification of `producer`: grouped_mm, bmm, mm, a custom op's name (e.g.
+    "sonar_fx::scatter_group_xty"), auto_functionalized:<op>, or other:<aten op>."""
     aliases: tuple[Node, ...]
     """Backward-graph nodes that alias the parameter's storage (saved weight, its views)."""
     readers: tuple[Node, ...]
@@ -79,7 +81,9 @@ def classify(producer: Node) -> str:
         if isinstance(inner, torch._ops.OpOverload):
             return inner._schema.name
     if isinstance(target, torch._ops.OpOverload):
-        return f"other:{target._schema.name}"
+        # A kernel library's own weight-gradient op (not aten): name it as it is.
+        name = target._schema.name
+        return name if target.namespace != "aten" else f"other:{name}"
     return f"other:{target}"
 
 

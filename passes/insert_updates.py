@@ -26,11 +26,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
-from sonar_fx.passes.graph_utils import is_view, node_order
 from torch.fx import GraphModule, Node
 
 from sonar_fx.optim.update_op import EXPERT_UPDATE_OP
+from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
+from sonar_fx.passes.graph_utils import is_view, node_order
 
 Placement = Literal["after_alias_readers", "naive"]
 PLACEMENTS = ("after_alias_readers", "naive")
