@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sonar-fx-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench bench-quick bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,24 @@ lint: $(STAMP)
 test: lint
 	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
+# Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
+# step times swing), then the README "Results" section is regenerated from their JSON.
+BENCH_ARGS ?= --threads 1
+BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead
+bench: $(STAMP)
+	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b $(BENCH_ARGS) || exit 1; done
+	$(PY) -m benchmarks.readme
+
+bench-quick: $(STAMP)
+	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b --quick $(BENCH_ARGS) || exit 1; done
+	$(PY) -m benchmarks.readme
+
+# On a CUDA machine (H200): the full-size OLMoE-1B-7B run and the kernel-backend checks.
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu --compiled-standard
+	$(PY) -m benchmarks.gpu_kernels
+	$(PY) -m benchmarks.readme
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .ruff_cache .mypy_cache

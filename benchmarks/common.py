@@ -1,0 +1,255 @@
+"""The benchmark harness: environment header, spread statistics, tables, results I/O and the CLI.
+
+Every script states the hardware, the torch version and the load of the machine it ran on, reports a
+spread (median, quartiles, min, max) for every timing, prints its tables with tabulate and writes them,
+with the raw measurements, to `results/<script>/results.json`, from which `benchmarks.readme`
+regenerates the README. This module never builds models or trains; see `workload` and `arms`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+RESULTS_DIR = Path("results")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Env:
+    """Where and with what a benchmark ran: printed above every table and stored with the results."""
+
+    date: str
+    """UTC time the run started, ISO 8601."""
+    host: str
+    """Processor or GPU name."""
+    cores: int
+    """Logical CPUs visible to this process."""
+    threads: int
+    """torch intra-op threads used."""
+    load_avg: tuple[float, float, float]
+    """1/5/15-minute load average at the start: on a shared machine it says how noisy timings are."""
+    torch: str
+    transformers: str
+    python: str
+    device: str
+    """"cpu" or the CUDA device name."""
+
+    def line(self) -> str:
+        load = "/".join(f"{x:.1f}" for x in self.load_avg)
+        return (
+            f"{self.date} | {self.device} on {self.host} ({self.cores} cores, {self.threads} torch threads, "
+            f"load {load}) | torch {self.torch}, transformers {self.transformers}, Python {self.python}"
+        )
+
+
+def environment(device: str = "cpu") -> Env:
+    import transformers
+
+    dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+    return Env(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        host=_cpu_name(),
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0,
+        threads=torch.get_num_threads(),
+        load_avg=tuple(round(x, 2) for x in os.getloadavg()),  # type: ignore[arg-type]
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        device=dev,
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread:
+    """Summary of repeated measurements: the median with quartiles and extremes (the noise, stated)."""
+
+    median: float
+    q25: float
+    q75: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("Spread.of needs at least one value")
+        xs = sorted(float(v) for v in values)
+        q25, q75 = (xs[0], xs[0]) if len(xs) == 1 else _quartiles(xs)
+        return cls(median=statistics.median(xs), q25=q25, q75=q75, min=xs[0], max=xs[-1], n=len(xs))
+
+    def fmt(self, digits: int = 0) -> str:
+        """`median [q25-q75]`, the interquartile range being the honest noise band of a shared machine."""
+        if self.n == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.q25:.{digits}f}-{self.q75:.{digits}f}]"
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Spread:
+    """Spread of a[i] / b[i]: arms timed in the same round share the machine's momentary load."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_ratio needs equal, non-empty sequences (got {len(a)} and {len(b)})")
+    return Spread.of([x / y for x, y in zip(a, b, strict=True)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table:
+    """One printed and stored table: every cell is already formatted from a measurement."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    note: str = ""
+    """What the columns mean, shown under the table."""
+
+    def render(self, fmt: str = "simple") -> str:
+        return tabulate(self.rows, headers=self.headers, tablefmt=fmt, disable_numparse=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Goal:
+    """A target from the issue, measured (never asserted: timings belong in benchmarks, not tests)."""
+
+    name: str
+    target: str
+    measured: str
+    met: bool | None
+    """None when it could not be measured (an arm failed or did not run)."""
+
+
+def goals_table(goals: Sequence[Goal]) -> Table:
+    mark = {True: "met", False: "MISSED", None: "not measured"}
+    rows = [[g.name, g.target, g.measured, mark[g.met]] for g in goals]
+    return Table(title="Goals", headers=["goal", "target", "measured", "status"], rows=rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """Everything a script writes to results/<script>/results.json."""
+
+    script: str
+    command: str
+    """The command line that produced this file, shown beside its tables in the README."""
+    env: Env
+    config: dict[str, Any]
+    tables: list[Table]
+    goals: list[Goal] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """Raw measurements (per-step times, byte counts) for anyone recomputing the tables."""
+    images: list[str] = field(default_factory=list)
+    """PNG files written beside results.json (names relative to it)."""
+
+
+def emit(report: Report, out_dir: Path) -> Path:
+    """Print the report's tables and write results.json; returns its path."""
+    print(f"\n# {report.script}: {report.command}\n# {report.env.line()}")
+    tables = [*report.tables, goals_table(report.goals)] if report.goals else report.tables
+    for table in tables:
+        print(f"\n## {table.title}\n{table.render()}")
+        if table.note:
+            print(table.note)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(dataclasses.asdict(report), indent=1, default=_jsonable) + "\n")
+    print(f"\nwrote {path}" + "".join(f", {out_dir / name}" for name in report.images))
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    raise TypeError(f"not JSON-serialisable: {type(obj).__name__}")
+
+
+def load_reports(results_dir: Path) -> dict[str, dict[str, Any]]:
+    """results/<script>/results.json files by script name, as plain dicts."""
+    found = {}
+    for path in sorted(results_dir.glob("*/results.json")):
+        data = json.loads(path.read_text())
+        found[data.get("script", path.parent.name)] = data
+    return found
+
+
+def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options every script shares: --quick, --out, --threads, --seed."""
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{script}", description=(doc or "").split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short run (fewer steps and configurations)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's). On a shared machine 1 keeps timings stable.",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def setup(args: argparse.Namespace) -> None:
+    """Process-wide settings every script needs before it builds anything."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # transformers' grouped_mm dispatch calls an lru_cache'd version check under dynamo: benign, and
+    # repeated for every compiled arm it would bury the tables.
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+    # Several compiled arms of one model class live side by side; the default recompile limit (8 per
+    # code object) would silently send the later ones to eager.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+    # A new arm must compile a static graph for its own batch shape, not a dynamic one because an
+    # earlier arm of the same model class saw another shape.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+
+
+def command(script: str, argv: Sequence[str] | None = None) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", "-m", f"benchmarks.{script}", *args])
+
+
+def mib(nbytes: float) -> float:
+    return nbytes / 2**20
+
+
+def fmt_ratio(spread: Spread | None) -> str:
+    """A paired time ratio as `0.83x [0.80-0.86]`, or '-' when it was not measured."""
+    if spread is None:
+        return "-"
+    if spread.n == 1:
+        return f"{spread.median:.2f}x"
+    return f"{spread.median:.2f}x [{spread.q25:.2f}-{spread.q75:.2f}]"
+
+
+def fmt_pct(fraction: float | None, digits: int = 0) -> str:
+    return "-" if fraction is None else f"{100 * fraction:+.{digits}f}%"

@@ -1,0 +1,218 @@
+"""Question: on a lent H200, what do full-size OLMoE-1B-7B steps cost in memory and time, with Sonar?
+
+The prepared GPU script: bf16, the OLMoE-1B-7B configuration (hidden 2048, expert intermediate 1024,
+64 experts, top-8, 16 layers, 16 heads, vocab 50304; 6.44B expert parameters, 12.9 GB of bf16 expert
+gradients) with random weights (`from_config`: weight values change neither memory nor speed), batch 2,
+seq 256. Arms run one after another (a 7B model with AdamW state is ~55 GB): standard,
+standard_no_expert_clip, sonar with eager hooks, sonar compiled (the pass); `--compiled-standard` adds
+the compiled baseline. Reported: `max_memory_allocated` / `max_memory_reserved` over one step after
+warm-up, and the median step time over the steps after it. `--device cpu --tiny` is the smoke mode a
+test runs (same code path, a tiny config on CPU, results under results/gpu_smoke).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks import common
+from benchmarks.arms import Arm
+from benchmarks.common import Report, Spread, Table
+from benchmarks.workload import predicted_saving
+from sonar_fx.config import AdamWConfig
+from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.memory import measure_peak
+from sonar_fx.optim.optimizer import SonarOptimizer
+
+SCRIPT = "gpu"
+GIB = 2**30
+
+OLMOE_1B_7B: dict[str, Any] = dict(
+    hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_hidden_layers=16,
+    num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, max_position_embeddings=4096,
+)  # fmt: skip
+TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=4, vocab_size=512, max_position_embeddings=512,
+    pad_token_id=1, eos_token_id=2,  # OLMoE's defaults (50279) lie outside the tiny vocabulary
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run of this script."""
+
+    device: str = "cuda"
+    tiny: bool = False
+    """The smoke configuration (`TINY`) instead of OLMoE-1B-7B."""
+    batch: int = 2
+    seq: int = 256
+    warmup: int = 3
+    """Untimed steps (the first compiles), then one memory step, then the timed steps."""
+    steps: int = 10
+    arms: tuple[Arm, ...] = (
+        Arm(method="standard", mode="eager"),
+        Arm(method="standard_no_expert_clip", mode="eager"),
+        Arm(method="sonar", mode="eager"),
+        Arm(method="sonar", mode="pass"),
+    )
+    opt: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-5, max_grad_norm=1.0))
+
+
+def build(cfg: Config) -> nn.Module:
+    import transformers
+
+    config = transformers.OlmoeConfig(**(TINY if cfg.tiny else OLMOE_1B_7B))
+    # Built on the device directly: materialising 6.9B parameters on the host first takes minutes.
+    with torch.device(cfg.device):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def batches(cfg: Config, vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (cfg.batch, cfg.seq), generator=g).to(cfg.device)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def measure(arm: Arm, cfg: Config) -> dict[str, Any]:
+    """Build one arm, warm it up, measure one step's memory, time the next `cfg.steps` steps."""
+    model = build(cfg)
+    layers = discover_experts(model)
+    method = arm.build(model, cfg.opt)
+    vocab = (TINY if cfg.tiny else OLMOE_1B_7B)["vocab_size"]
+    data = batches(cfg, vocab, cfg.warmup + 1 + cfg.steps)
+    start = time.perf_counter()
+    for b in data[: cfg.warmup]:
+        method.train_step(b)
+    _sync(cfg.device)
+    warmup_s = time.perf_counter() - start
+    gc.collect()
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # reserved bytes then reflect this step, not earlier arms' cache
+    _, peak = measure_peak(lambda: method.train_step(data[cfg.warmup]), cfg.device)
+    times = []
+    for b in data[cfg.warmup + 1 :]:
+        _sync(cfg.device)
+        t = time.perf_counter()
+        method.train_step(b)
+        _sync(cfg.device)
+        times.append(time.perf_counter() - t)
+    report = method.optimizer.report() if isinstance(method.optimizer, SonarOptimizer) else {}
+    return {
+        "arm": arm.label,
+        "warmup_s": warmup_s,
+        "peak_step_bytes": peak.peak_bytes,
+        "max_allocated_bytes": peak.allocated_bytes,
+        "max_reserved_bytes": peak.reserved_bytes,
+        "step_s": times,
+        "predicted_saving_bytes": predicted_saving(layers),
+        "expert_grad_bytes": sum(x.grad_bytes() for x in layers),
+        "updates_in_graph": report.get("updates_in_graph"),
+        "updates_by_hook": report.get("updates_by_hook"),
+        "fallbacks": report.get("fallbacks", []),
+    }
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    records = []
+    for arm in cfg.arms:
+        print(f"  {arm.label}", flush=True)
+        try:
+            records.append(measure(arm, cfg))
+        except Exception as err:  # reported in the table; the other arms still run
+            records.append({"arm": arm.label, "error": f"{type(err).__name__}: {err}"[:300]})
+        torch._dynamo.reset()
+        gc.collect()
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return records
+
+
+def table(records: list[dict[str, Any]], cfg: Config) -> Table:
+    gib = "MiB" if cfg.tiny else "GiB"
+    unit = 2**20 if cfg.tiny else GIB
+    base = next((r for r in records if r["arm"] == "standard · eager" and "error" not in r), None)
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["arm"], f"failed: {r['error']}", *["-"] * 6])
+            continue
+        rows.append(_row(r, base, unit))
+    headers = [
+        "arm", f"max allocated {gib}", f"max reserved {gib}", f"step peak above start {gib}",
+        "saved/predicted", "step ms", "× standard", "expert updates (all steps)",
+    ]  # fmt: skip
+    shape = "tiny smoke config" if cfg.tiny else "OLMoE-1B-7B shapes, random weights"
+    note = f"{shape}, bf16, batch {cfg.batch}, seq {cfg.seq}; step ms: median [IQR] of {cfg.steps} steps."
+    return Table(title="Full-size OLMoE on one GPU", headers=headers, rows=rows, note=note)
+
+
+def _row(r: dict[str, Any], base: dict[str, Any] | None, unit: int) -> list[str]:
+    def size(nbytes: int | None) -> str:
+        return "-" if nbytes is None else f"{nbytes / unit:.2f}"
+
+    saved, x_std, paths = "-", "-", "-"
+    if r["updates_in_graph"] is not None:
+        paths = f"{r['updates_in_graph']} graph / {r['updates_by_hook']} hook"
+    if base is not None and r is not base:
+        saved = f"{(base['peak_step_bytes'] - r['peak_step_bytes']) / r['predicted_saving_bytes']:.0%}"
+        x_std = f"{statistics.median(r['step_s']) / statistics.median(base['step_s']):.2f}x"
+    return [
+        r["arm"], size(r["max_allocated_bytes"]), size(r["max_reserved_bytes"]), size(r["peak_step_bytes"]),
+        saved, Spread.of([t * 1e3 for t in r["step_s"]]).fmt(1), x_std,
+        paths,
+    ]  # fmt: skip
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = common.parser(SCRIPT, __doc__)
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: the smoke mode)")
+    p.add_argument("--tiny", action="store_true", help="a tiny OLMoE config instead of OLMoE-1B-7B")
+    p.add_argument("--compiled-standard", action="store_true", help="add the compiled standard arm")
+    p.add_argument(
+        "--compiler",
+        choices=["inductor", "aot_eager"],
+        default="inductor",
+        help="backend of the compiled arms (aot_eager: the same pass without codegen, for a fast smoke run)",
+    )
+    args = p.parse_args(argv)
+    common.setup(args)
+    cfg = Config(device=args.device, tiny=args.tiny)
+    if args.quick:
+        cfg = replace(cfg, warmup=2, steps=5)
+    if args.tiny:
+        cfg = replace(cfg, seq=32, warmup=1, steps=2)  # a smoke run: the code path, not the numbers
+    if args.compiled_standard:
+        cfg = replace(cfg, arms=(*cfg.arms, Arm(method="standard", mode="compiled")))
+    cfg = replace(cfg, arms=tuple(replace(a, compiler=args.compiler) for a in cfg.arms))
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            "benchmarks.gpu: no CUDA device here; run with --device cpu --tiny for the smoke mode."
+        )
+    env = common.environment(cfg.device)
+    records = run(cfg)
+    script = f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT
+    report = Report(
+        script=script, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
+        tables=[table(records, cfg)], records=records,
+    )  # fmt: skip
+    common.emit(report, args.out / script)
+
+
+if __name__ == "__main__":
+    main()
