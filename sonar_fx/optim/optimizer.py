@@ -68,9 +68,6 @@ class SonarOptimizer(torch.optim.Optimizer):
     def expert_group(self) -> dict[str, Any]:
         return self.param_groups[1]
 
-    def is_expert(self, param: Tensor) -> bool:
-        return id(param) in self.expert_names
-
     def _adamw_state(self, param: Tensor) -> dict[str, Tensor]:
         state = self.state[param]
         if not state:
