@@ -59,9 +59,12 @@ class TrainingMethod:
         return loss
 
     @property
-    def param_groups_optimizer(self) -> torch.optim.Optimizer | None:
-        """The optimizer an LR scheduler should drive (None for oib_all's per-parameter optimizers)."""
-        return self.optimizer
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer that holds state: the one optimizer, or oib_all's per-parameter optimizers
+        in parameter order. LR schedulers drive each of them and checkpoints save each of them."""
+        if self.optimizer is not None:
+            return [self.optimizer]
+        return list(self.hook_optimizers.values())
 
 
 def build_method(

@@ -1,0 +1,176 @@
+"""Command line: `sonar-fx finetune ...` (one fine-tuning run) and `sonar-fx demo` (the comparison).
+
+For: turning flags into a `TrainConfig` / `DemoConfig`, and bad input into one clear line on stderr
+(exit status 2) before anything trains. Never: hold training logic; it calls `sonar_fx.train` and
+`sonar_fx.demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sonar_fx.api import COMPILERS
+from sonar_fx.checkpoint import CheckpointError
+from sonar_fx.data import DataError
+from sonar_fx.methods import METHODS
+from sonar_fx.models import TINY_MODELS
+from sonar_fx.train import DTYPES, ConfigError, TrainConfig
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `sonar-fx` console script and of `python -m sonar_fx`."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "finetune":
+            return _finetune(args)
+        return _demo(args)
+    except USER_ERRORS as exc:
+        print(f"sonar-fx {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sonar-fx",
+        description="Sonar-MoE: in-backward expert updates for memory-efficient MoE training",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_finetune(sub.add_parser("finetune", help="fine-tune an MoE model on Alpaca-format data"))
+    demo = sub.add_parser("demo", help="Sonar vs its baselines on tiny-olmoe (`make demo`)")
+    demo.add_argument("--out", default="runs/demo", help="folder for demo.json, demo.png and each arm's run")
+    demo.add_argument(
+        "--compiler", choices=("inductor", "aot_eager"), default="inductor",
+        help="compiler of the compiled arms (aot_eager: same graphs, no codegen, faster to start)",
+    )  # fmt: skip
+    demo.add_argument("--steps", type=int, default=None, help="steps per arm (default: the demo's)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def _add_finetune(p: argparse.ArgumentParser) -> None:
+    """Model, data, method and optimizer flags (the rest: `_add_run_flags`)."""
+    d = TrainConfig()
+    add = p.add_argument
+    add("--model", default=d.model, help=f"{', '.join(TINY_MODELS)}, or a local checkpoint directory")
+    add("--model-override", action="append", default=[], metavar="KEY=VALUE",
+        help="override a tiny model's config field, e.g. num_experts=64 (repeatable)")  # fmt: skip
+    add("--data", default=None, help="Alpaca .json/.jsonl file (default: the built-in synthetic set)")
+    add("--tokenizer", default=None, help="'byte' or a local tokenizer directory (default: byte for "
+        "built-in models, the model directory for a checkpoint)")  # fmt: skip
+    add("--method", choices=METHODS, default=d.method)
+    add("--compiler", choices=COMPILERS, default=d.compiler)
+    add("--hooks-on-compiled", dest="sonar_pass", action="store_false",
+        help="sonar under a compiler: keep the eager hooks on the compiled model, no graph pass")  # fmt: skip
+    add("--steps", type=int, default=None, help="optimizer steps (default: one pass over the train split)")
+    add("--batch-size", type=int, default=d.batch_size)
+    add("--max-len", type=int, default=d.max_len, help="tokens per example; longer ones are truncated")
+    add(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak LR (default: 2e-5 checkpoint, 3e-3 tiny model)",
+    )
+    add("--warmup", type=int, default=None, help="linear warm-up steps (default: 3%% of the steps)")
+    add("--min-lr", type=float, default=d.min_lr, help="LR at the end of the cosine decay")
+    add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"))
+    add("--eps", type=float, default=d.eps)
+    add("--weight-decay", type=float, default=d.weight_decay)
+    add("--max-grad-norm", type=_optional_float, default=d.max_grad_norm, help="'none': no clip")
+    _add_run_flags(p, d)
+
+
+def _add_run_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    add = p.add_argument
+    add("--seed", type=int, default=d.seed, help="model init, split and batch order")
+    add(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help="evaluate every N steps (0: first/last)",
+    )
+    add("--held-out", type=int, default=None, help="held-out examples (default 500; 0: no evaluation)")
+    add(
+        "--train-size",
+        type=int,
+        default=None,
+        help="default: 8000 built-in, all for a file",
+    )
+    add("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    add("--device", default=None, help="default: cuda when available, else cpu")
+    add("--out", default=d.out, help="folder for metrics.jsonl, summary.json, checkpoint.pt")
+    add("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+        help="continue from a checkpoint file or run folder (no value: the one in --out)")  # fmt: skip
+    add("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    add(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop with a checkpoint after N steps",
+    )
+    add("--no-checkpoint", dest="checkpoint", action="store_false", help="write no checkpoint.pt")
+    add("--pad-to-max-len", action=argparse.BooleanOptionalAction, default=None,
+        help="pad batches to --max-len (default: when compiled, so one graph serves every step)")  # fmt: skip
+    add("--deterministic", action="store_true",
+        help="deterministic kernels, so compiled runs reproduce bitwise")  # fmt: skip
+    add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The `TrainConfig` of parsed `finetune` flags."""
+    fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+    fields["betas"] = tuple(args.betas)
+    fields["model_overrides"] = dict(_override(item) for item in args.model_override)
+    return TrainConfig(**fields)
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from sonar_fx.train import train  # deferred: `--help` stays fast
+
+    summary = train(train_config(args)).summary
+    mem = summary["memory"]
+    peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
+    print(
+        f"done: {summary['steps_done']} steps; held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
+        f"{_fmt(summary['held_out_loss'])}; median step {summary['median_step_ms']:.1f} ms; "
+        f"{_fmt(summary['supervised_tokens_per_s'], '.0f')} supervised tokens/s; "
+        f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sonar_fx.demo import DemoConfig, run_demo
+
+    fields: dict[str, Any] = {"out": args.out, "compiler": args.compiler, "progress": not args.no_progress}
+    if args.steps is not None:
+        fields["steps"] = args.steps
+    return run_demo(DemoConfig(**fields))
+
+
+def _optional_float(text: str) -> float | None:
+    if text.lower() in ("none", "off", "inf"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--model-override {item!r}: expected KEY=VALUE, e.g. num_experts=64")
+    try:
+        return key, json.loads(raw)  # numbers, booleans, null; anything else stays a string
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "n/a" if value is None else format(value, spec)

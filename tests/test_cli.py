@@ -1,0 +1,156 @@
+"""`sonar-fx finetune`: every method runs end to end and writes its records; bad input fails before
+training with the file, line or flag named."""
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sonar_fx.cli import main
+from sonar_fx.methods import METHODS
+
+FAST = ["--compiler", "eager", "--train-size", "8", "--held-out", "4", "--steps", "2", "--no-progress"]
+
+
+def finetune(out: Path, *extra: str, model: str = "tiny-reference") -> int:
+    return main(["finetune", "--model", model, *FAST, "--out", str(out), *extra])
+
+
+def records(n: int) -> list[dict[str, str]]:
+    return [{"instruction": f"Add {i} and 1.", "input": "", "output": str(i + 1)} for i in range(n)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_trains_and_writes_metrics_and_summary(tmp_path, method):
+    assert finetune(tmp_path, "--method", method, "--eval-every", "1") == 0
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["supervised_tokens"] > 0 for r in lines)
+    assert all("held_out_loss" in r for r in lines)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_done"] == 2 and math.isfinite(summary["held_out_loss"])
+    assert summary["memory"]["peak_bytes"] > summary["memory"]["state_bytes"] > 0
+    assert summary["memory"]["process_peak_rss_bytes"] > 0
+    assert set(summary["versions"]) >= {"torch", "transformers", "sonar_fx"}
+    assert summary["hardware"]["device"] == "cpu"
+    assert (summary["sonar"] is not None) == method.startswith("sonar")
+    assert (tmp_path / "checkpoint.pt").is_file()
+
+
+def test_loss_falls_and_the_lr_schedule_is_logged(tmp_path):
+    args = ["--method", "sonar", "--steps", "8", "--train-size", "16", "--lr", "3e-3", "--warmup", "2"]
+    assert finetune(tmp_path, *args, "--min-lr", "3e-4") == 0
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[:3] == pytest.approx([1.5e-3, 3e-3, 3e-3])  # linear warm-up, then the peak
+    assert lrs[-1] == pytest.approx(3e-4)  # the cosine reaches --min-lr on the last step
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["held_out_loss"] < summary["held_out_loss_initial"]
+
+
+def test_alpaca_file_and_the_data_hash_is_stable(tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(12)))
+    hashes = []
+    for run in ("a", "b"):
+        assert finetune(tmp_path / run, "--data", str(data), "--train-size", "8", "--steps", "1") == 0
+        hashes.append(json.loads((tmp_path / run / "summary.json").read_text())["data"]["hash"])
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 64
+    assert f"hash of the first batches {hashes[0][:16]}" in capsys.readouterr().out
+    assert (
+        finetune(tmp_path / "c", "--data", str(data), "--train-size", "8", "--steps", "1", "--seed", "7") == 0
+    )
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["data"]["hash"] != hashes[0]
+
+
+def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text(
+        '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c" "output": "d"}\n]\n'
+    )
+    missing = tmp_path / "missing_field.jsonl"
+    missing.write_text(json.dumps(records(1)[0]) + "\n" + json.dumps({"instruction": "x"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    return {
+        "malformed": (malformed, f"{malformed}:3:"),
+        "missing_field": (missing, f"{missing}:2: record 1: missing field 'output'"),
+        "empty": (empty, f"{empty}: empty dataset"),
+        "no_file": (tmp_path / "nope.json", f"{tmp_path / 'nope.json'}: no such file"),
+    }
+
+
+@pytest.mark.parametrize("case", ["malformed", "missing_field", "empty", "no_file"])
+def test_bad_data_fails_before_training_naming_file_and_line(tmp_path, capsys, case):
+    path, message = _bad_files(tmp_path)[case]
+    assert finetune(tmp_path / "out", "--data", str(path)) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "tiny-nope"], "--model 'tiny-nope': not a built-in model"),
+        (["--steps", "0"], "--steps 0 is invalid: expected >= 1"),
+        (["--betas", "1.5", "0.9"], "--betas: AdamWConfig.betas[0]=1.5 is invalid"),
+        (["--min-lr", "1.0", "--lr", "1e-3"], "--min-lr 1.0 is above --lr"),
+        (
+            ["--tokenizer", "/no/such/tokenizer"],
+            "--tokenizer: tokenizer '/no/such/tokenizer': no such directory",
+        ),
+        (["--model-override", "num_experts"], "--model-override 'num_experts': expected KEY=VALUE"),
+        (["--batch-size", "64"], "only 8 training examples for --batch-size 64"),
+    ],
+)
+def test_bad_flags_fail_before_training_naming_the_flag(tmp_path, capsys, flags, message):
+    assert main(["finetune", *FAST, "--out", str(tmp_path), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_split_larger_than_the_file_names_the_flags(tmp_path, capsys):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(records(12)))
+    assert finetune(tmp_path / "out", "--data", str(data), "--train-size", "10", "--held-out", "4") == 2
+    err = capsys.readouterr().err
+    assert f"{data}: split needs 14 records" in err and "--train-size, --held-out" in err
+
+
+def test_unwritable_out_is_named(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert finetune(blocker / "run") == 2
+    assert f"--out {blocker / 'run'}: cannot write there" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli():
+    result = subprocess.run(
+        [sys.executable, "-m", "sonar_fx", "finetune", "--help"], capture_output=True, text=True, check=True
+    )
+    for flag in ("--model", "--method", "--compiler", "--resume", "--max-grad-norm", "--held-out"):
+        assert flag in result.stdout
+
+
+def test_demo_writes_table_json_chart_and_the_bitwise_verdict(tmp_path, capsys):
+    from sonar_fx.demo import DemoConfig, run_demo
+
+    small = dict(hidden_size=32, intermediate_size=16, num_experts=4, num_hidden_layers=2)
+    cfg = DemoConfig(
+        out=str(tmp_path), steps=4, warmup=1, held_out=8, progress=False, min_loss_drop=0.0,
+        model_overrides=small, arms=("standard", "no_expert_clip", "sonar_eager"),
+    )  # fmt: skip
+    assert run_demo(cfg) == 0
+    printed = capsys.readouterr().out
+    assert "sonar, eager hooks vs standard_no_expert_clip: expert weights BITWISE EQUAL" in printed
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert [r["arm"] for r in report["rows"]] == ["standard", "no_expert_clip", "sonar_eager"]
+    assert report["bitwise"][0]["equal"] is True
+    # Memory claims are tested in test_memory.py at a shape where expert gradients dominate.
+    assert all(r["peak_mib"] > r["step_transient_mib"] > 0 for r in report["rows"])
+    assert report["rows"][0]["peak_change"] == 0.0
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
