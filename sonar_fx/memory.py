@@ -8,9 +8,11 @@ after `reset_peak_memory_stats`. This module measures; it never changes what it 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +47,30 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> t
         torch.cuda.synchronize(device)
         allocated = torch.cuda.max_memory_allocated(device)
         return result, PeakMemory(allocated - start, allocated, torch.cuda.max_memory_reserved(device))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():  # kineto prints a line on start and stop; keep progress bars clean
+        prof.start()
+    try:
         result = fn()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     return result, PeakMemory(peak_live_bytes(prof))
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for the duration (only around profiler start/stop)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def peak_live_bytes(prof: profile) -> int:

@@ -153,7 +153,7 @@ def test_activation_checkpointing_stays_exact():
         model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
         model.activation_checkpointing_enable({"use_reentrant": False})
         model.train()
-        assert model.is_gradient_checkpointing
+        assert model.is_activation_checkpointing
         return trained_on(model, method, "aot_eager")
 
     sonar_model, method = run("sonar")
