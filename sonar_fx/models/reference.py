@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sonar_fx.experts.grouped import grouped_mm
 from sonar_fx.experts.kernels import experts_forward
 
 
@@ -44,7 +43,7 @@ class CausalLMOutput:
 
 
 class ReferenceExperts(nn.Module):
-    """E SwiGLU experts in two batched tensors, computed with grouped GEMMs."""
+    """E SwiGLU experts in two batched tensors, computed by a kernel backend (torch: grouped GEMMs)."""
 
     def __init__(self, cfg: ReferenceMoEConfig) -> None:
         super().__init__()
@@ -55,21 +54,8 @@ class ReferenceExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(e, d, n) * n**-0.5)
 
     def forward(self, h_Td: Tensor, top_k_index_Tk: Tensor, top_k_weights_Tk: Tensor) -> Tensor:
-        if self.kernel != "torch":
-            w_up, w_down = self.gate_up_proj, self.down_proj
-            return experts_forward(self.kernel, h_Td, top_k_index_Tk, top_k_weights_Tk, w_up, w_down)
-        k = top_k_index_Tk.shape[1]
-        expert_S, perm_S = torch.sort(top_k_index_Tk.reshape(-1), stable=True)
-        x_Sd = h_Td[perm_S // k]
-        # A static-shape count (bincount's output size depends on the data and breaks the graph).
-        counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=expert_S.device)
-        counts_E = counts_E.index_add_(0, expert_S, torch.ones_like(expert_S))
-        offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-        gate_Sn, up_Sn = grouped_mm(x_Sd, self.gate_up_proj, offs_E).chunk(2, dim=-1)
-        y_Sd = grouped_mm(F.silu(gate_Sn) * up_Sn, self.down_proj, offs_E)
-        y_Sd = y_Sd * top_k_weights_Tk.reshape(-1)[perm_S].unsqueeze(-1)
-        out_Td = torch.zeros_like(h_Td).index_add_(0, perm_S // k, y_Sd)
-        return out_Td
+        w_up, w_down = self.gate_up_proj, self.down_proj
+        return experts_forward(self.kernel, h_Td, top_k_index_Tk, top_k_weights_Tk, w_up, w_down)
 
 
 class ReferenceMoEBlock(nn.Module):
