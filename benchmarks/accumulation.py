@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from benchmarks import common
 from benchmarks.arms import Arm, ArmResult, Plan, by_label, ratio, run_arms
-from benchmarks.common import Report, Table, fmt_ratio, mib
+from benchmarks.common import Table, fmt_ratio, mib
 from benchmarks.workload import SHAPES, Batch, make_batches
 from sonar_fx.config import AdamWConfig
 from sonar_fx.methods import TrainingMethod
@@ -114,20 +114,10 @@ def table(rows: list[list[str]]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), help="override the model shape")
-    args = p.parse_args(argv)
-    common.setup(args)
-    cfg = QUICK if args.quick else Config()
-    if args.shape:
-        cfg = replace(cfg, shape=args.shape)
-    env = common.environment()
-    rows, records = run(cfg)
-    report = Report(
-        script=SCRIPT, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=[table(rows)], records=records,
-    )  # fmt: skip
-    common.emit(report, args.out / SCRIPT)
+    shape = common.Override(field="shape", choices=sorted(SHAPES), help="override the model shape")
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[shape])
+    rows, records = run(inv.cfg)
+    inv.finish([table(rows)], records=records)
 
 
 if __name__ == "__main__":

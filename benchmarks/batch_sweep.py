@@ -8,12 +8,12 @@ OLMoE-shaped CPU model, batch 2 to 32: standard vs Sonar, eager (hooks) and comp
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks import common
 from benchmarks.arms import Arm, ArmResult, Plan, by_label, ratio, run_arms
-from benchmarks.common import Report, Table, fmt_ratio, mib
+from benchmarks.common import Table, fmt_ratio, mib
 from benchmarks.workload import SHAPES, make_batches
 from sonar_fx.config import AdamWConfig
 
@@ -155,22 +155,11 @@ def plot(points: list[dict], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), help="override the model shape")
-    args = p.parse_args(argv)
-    common.setup(args)
-    cfg = QUICK if args.quick else Config()
-    if args.shape:
-        cfg = replace(cfg, shape=args.shape)
-    env = common.environment()
-    points, records = run(cfg)
-    out = args.out / SCRIPT
-    images = ["batch_sweep.png"] if plot(points, out / "batch_sweep.png") else []
-    report = Report(
-        script=SCRIPT, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=[table(points)], records=[*points, *records], images=images,
-    )  # fmt: skip
-    common.emit(report, out)
+    shape = common.Override(field="shape", choices=sorted(SHAPES), help="override the model shape")
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[shape])
+    points, records = run(inv.cfg)
+    images = ["batch_sweep.png"] if plot(points, inv.out / "batch_sweep.png") else []
+    inv.finish([table(points)], records=[*points, *records], images=images)
 
 
 if __name__ == "__main__":

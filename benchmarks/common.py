@@ -21,12 +21,17 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from tabulate import tabulate
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 RESULTS_DIR = Path("results")
+C = TypeVar("C", bound="DataclassInstance")
+"""A script's frozen `Config` dataclass."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +241,82 @@ def setup(args: argparse.Namespace) -> None:
 def command(script: str, argv: Sequence[str] | None = None) -> str:
     args = list(sys.argv[1:] if argv is None else argv)
     return shlex.join(["python", "-m", f"benchmarks.{script}", *args])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Override:
+    """A script's own flag that, when given, replaces one field of its Config (`--shape` -> `shape`)."""
+
+    field: str
+    """The Config field; the flag is `--<field>`."""
+    choices: Sequence[str]
+    help: str
+    many: bool = False
+    """Takes one or more values (nargs="+"), stored as a tuple."""
+
+    def add_to(self, p: argparse.ArgumentParser) -> None:
+        nargs = "+" if self.many else None
+        p.add_argument(f"--{self.field}", nargs=nargs, choices=self.choices, help=self.help)
+
+    def apply(self, cfg: C, args: argparse.Namespace) -> C:
+        value = getattr(args, self.field)
+        if not value:
+            return cfg
+        return dataclasses.replace(cfg, **{self.field: tuple(value) if self.many else value})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Invocation(Generic[C]):
+    """One command-line run of a script: its options, its Config and the environment it started in."""
+
+    script: str
+    """Report name and results sub-folder (`gpu` writes `gpu_smoke` for its smoke mode)."""
+    command: str
+    args: argparse.Namespace
+    cfg: C
+    env: Env
+
+    @property
+    def out(self) -> Path:
+        """The folder results.json and any PNG go to: `--out` / script."""
+        return self.args.out / self.script
+
+    def finish(
+        self,
+        tables: Sequence[Table],
+        *,
+        goals: Sequence[Goal] = (),
+        records: Sequence[dict[str, Any]] = (),
+        images: Sequence[str] = (),
+    ) -> Path:
+        """Print the tables and write results.json (config, environment and command included)."""
+        report = Report(
+            script=self.script, command=self.command, env=self.env, config=dataclasses.asdict(self.cfg),
+            tables=list(tables), goals=list(goals), records=list(records), images=list(images),
+        )  # fmt: skip
+        return emit(report, self.out)
+
+
+def start(
+    script: str,
+    doc: str | None,
+    argv: Sequence[str] | None,
+    *,
+    default: C,
+    quick: C,
+    overrides: Sequence[Override] = (),
+) -> Invocation[C]:
+    """The shared preamble of a CPU script: parse the shared options and `overrides`, apply the
+    process-wide settings, pick `quick` or `default` and override its fields, note the environment."""
+    p = parser(script, doc)
+    for o in overrides:
+        o.add_to(p)
+    args = p.parse_args(argv)
+    setup(args)
+    cfg = quick if args.quick else default
+    for o in overrides:
+        cfg = o.apply(cfg, args)
+    return Invocation(script=script, command=command(script, argv), args=args, cfg=cfg, env=environment())
 
 
 def mib(nbytes: float) -> float:

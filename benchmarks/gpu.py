@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Report, Spread, Table
+from benchmarks.common import Spread, Table
 from benchmarks.workload import predicted_saving
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
@@ -204,14 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "benchmarks.gpu: no CUDA device here; run with --device cpu --tiny for the smoke mode."
         )
-    env = common.environment(cfg.device)
-    records = run(cfg)
-    script = f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT
-    report = Report(
-        script=script, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=[table(records, cfg)], records=records,
+    inv = common.Invocation(
+        script=f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT, command=common.command(SCRIPT, argv), args=args,
+        cfg=cfg, env=common.environment(cfg.device),
     )  # fmt: skip
-    common.emit(report, args.out / script)
+    records = run(cfg)
+    inv.finish([table(records, cfg)], records=records)
 
 
 if __name__ == "__main__":

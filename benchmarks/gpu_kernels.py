@@ -321,16 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     common.setup(args)
     cfg = configure(args)
+    inv = common.Invocation(
+        script=SCRIPT, command=common.command(SCRIPT, argv), args=args, cfg=cfg,
+        env=common.environment(cfg.device),  # date and load at the start, as `Env` documents
+    )  # fmt: skip
     numerics, exactness, missing, failures = run_checks(cfg)
-    report = common.Report(
-        script=SCRIPT,
-        command=common.command(SCRIPT, argv),
-        env=common.environment(cfg.device),
-        config=asdict(cfg),
-        tables=tables(numerics, exactness, missing, failures),
+    inv.finish(
+        tables(numerics, exactness, missing, failures),
         records=[{"numerics": asdict(r)} for r in numerics] + [{"exactness": asdict(r)} for r in exactness],
     )
-    common.emit(report, args.out / SCRIPT)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ standard_no_expert_clip (Sonar's exact twin without in-backward updates) for sca
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
 from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, ratio, run_arms
-from benchmarks.common import Goal, Report, Table, fmt_ratio, mib
+from benchmarks.common import Goal, Table, fmt_ratio, mib
 from benchmarks.workload import SHAPES, Workload, make_batches
 from sonar_fx.config import AdamWConfig
 
@@ -113,23 +113,15 @@ def _goal(shape: str, mode: Mode, results: list[ArmResult]) -> Goal:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="override the model shapes")
-    p.add_argument("--modes", nargs="+", choices=["eager", "pass"], help="override the execution modes")
-    args = p.parse_args(argv)
-    common.setup(args)
-    cfg = QUICK if args.quick else Config()
-    if args.shapes:
-        cfg = replace(cfg, shapes=tuple(args.shapes))
-    if args.modes:
-        cfg = replace(cfg, modes=tuple(args.modes))
-    env = common.environment()
-    tables, goals, records = run(cfg)
-    report = Report(
-        script=SCRIPT, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=tables, goals=goals, records=records,
-    )  # fmt: skip
-    common.emit(report, args.out / SCRIPT)
+    overrides = [
+        common.Override(field="shapes", choices=sorted(SHAPES), help="override the model shapes", many=True),
+        common.Override(
+            field="modes", choices=["eager", "pass"], help="override the execution modes", many=True
+        ),
+    ]
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=overrides)
+    tables, goals, records = run(inv.cfg)
+    inv.finish(tables, goals=goals, records=records)
 
 
 if __name__ == "__main__":

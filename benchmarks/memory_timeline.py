@@ -10,7 +10,7 @@ optimizer phases marked by `record_function` ranges.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Report, Table, mib
+from benchmarks.common import Table, mib
 from benchmarks.workload import SHAPES, Workload, make_batches
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
@@ -195,22 +195,11 @@ def table(lines: list[Timeline], grads: dict[str, float]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), help="override the model shape")
-    args = p.parse_args(argv)
-    common.setup(args)
-    cfg = QUICK if args.quick else Config()
-    if args.shape:
-        cfg = replace(cfg, shape=args.shape)
-    env = common.environment()
-    lines, grads = run(cfg)
-    out = args.out / SCRIPT
-    images = ["memory_timeline.png"] if plot(lines, grads, out / "memory_timeline.png") else []
-    report = Report(
-        script=SCRIPT, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=[table(lines, grads)], records=[asdict(x) for x in lines], images=images,
-    )  # fmt: skip
-    common.emit(report, out)
+    shape = common.Override(field="shape", choices=sorted(SHAPES), help="override the model shape")
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[shape])
+    lines, grads = run(inv.cfg)
+    images = ["memory_timeline.png"] if plot(lines, grads, inv.out / "memory_timeline.png") else []
+    inv.finish([table(lines, grads)], records=[asdict(x) for x in lines], images=images)
 
 
 if __name__ == "__main__":

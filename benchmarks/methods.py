@@ -12,12 +12,12 @@ and its paired ratio vs standard, tokens/s and held-out loss after the same step
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
 from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, ratio, run_arms
-from benchmarks.common import Goal, Report, Table, fmt_ratio, mib
+from benchmarks.common import Goal, Table, fmt_ratio, mib
 from benchmarks.workload import SHAPES, Workload, make_batches
 from sonar_fx.config import AdamWConfig
 from sonar_fx.methods import METHODS
@@ -195,23 +195,15 @@ def _time_goal(name: str, spread: common.Spread | None, limit: float) -> Goal:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
-    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="override the model shapes")
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled", "pass"], help="override the modes")
-    args = p.parse_args(argv)
-    common.setup(args)
-    cfg = QUICK if args.quick else Config()
-    if args.shapes:
-        cfg = replace(cfg, shapes=tuple(args.shapes))
-    if args.modes:
-        cfg = replace(cfg, modes=tuple(args.modes))
-    env = common.environment()
-    tables, goals, records = run(cfg)
-    report = Report(
-        script=SCRIPT, command=common.command(SCRIPT, argv), env=env, config=asdict(cfg),
-        tables=tables, goals=goals, records=records,
-    )  # fmt: skip
-    common.emit(report, args.out / SCRIPT)
+    overrides = [
+        common.Override(field="shapes", choices=sorted(SHAPES), help="override the model shapes", many=True),
+        common.Override(
+            field="modes", choices=["eager", "compiled", "pass"], help="override the modes", many=True
+        ),
+    ]
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=overrides)
+    tables, goals, records = run(inv.cfg)
+    inv.finish(tables, goals=goals, records=records)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ are never asserted here: they belong in the benchmark output, not in a pass/fail
 """
 
 import json
+import shlex
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -113,6 +115,33 @@ def test_gpu_script_smoke_mode_on_cpu(tmp_path, one_thread):
     assert data["env"]["torch"] == torch.__version__ and data["command"].startswith(
         "python -m benchmarks.gpu"
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Cfg:
+    shape: str = "olmoe-cpu"
+    modes: tuple[str, ...] = ("eager", "pass")
+    steps: int = 10
+
+
+def test_start_picks_quick_applies_overrides_and_finish_writes_them(tmp_path, capsys):
+    overrides = [
+        common.Override(field="shape", choices=sorted(SHAPES), help="model shape"),
+        common.Override(field="modes", choices=["eager", "pass"], help="modes", many=True),
+    ]
+    argv = ["--quick", "--shape", "olmoe-micro", "--modes", "pass", "--out", str(tmp_path)]
+    inv = common.start("fake", "Doc.", argv, default=_Cfg(), quick=_Cfg(steps=2), overrides=overrides)
+    assert inv.cfg == _Cfg(shape="olmoe-micro", modes=("pass",), steps=2)
+    assert inv.out == tmp_path / "fake"
+    untouched = common.start("fake", "Doc.", [], default=_Cfg(), quick=_Cfg(steps=2), overrides=overrides)
+    assert untouched.cfg == _Cfg()  # an override not given leaves the field alone
+
+    inv.finish([Table(title="T", headers=["a"], rows=[["1"]])], records=[{"x": 1}], images=["t.png"])
+    data = json.loads((tmp_path / "fake" / "results.json").read_text())
+    assert data["command"] == shlex.join(["python", "-m", "benchmarks.fake", *argv])
+    assert data["config"] == {"shape": "olmoe-micro", "modes": ["pass"], "steps": 2}
+    assert (data["records"], data["images"], data["goals"]) == ([{"x": 1}], ["t.png"], [])
+    assert "## T" in capsys.readouterr().out
 
 
 def _fake_report(tmp_path, value: str, script: str = "methods") -> None:
