@@ -44,10 +44,11 @@ class SonarPartitioner(CustomPartitionerFn):
         if self.fail:
             raise RuntimeError("sonar: forced compiler failure (fail_compile=True)")
         primals = joint_inputs[0]
-        if not isinstance(primals, (list, tuple)) or len(fw_gm.graph.find_nodes(op="placeholder")) != len(
-            primals
-        ):
-            return fw_gm, bw_gm  # a nested subgraph: its inputs are not the dynamo graph's inputs
+        fw_inputs = fw_gm.graph.find_nodes(op="placeholder")
+        if not isinstance(primals, (list, tuple)) or len(fw_inputs) != len(primals):
+            # A nested subgraph: its inputs are not the dynamo graph's, so the slot map does not apply.
+            # Its expert gradients flow out as usual and the hooks update them.
+            return fw_gm, bw_gm
         bw_gm = passes.expert_update_pass(
             bw_gm, fw_gm=fw_gm, slots_by_input=self.slots_by_input, placement=self.placement
         )
