@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from tabulate import tabulate
 
+from sonar_fx.train_log import cpu_cores, cpu_name
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -68,8 +70,8 @@ def environment(device: str = "cpu") -> Env:
     dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
     return Env(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        host=_cpu_name(),
-        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0,
+        host=cpu_name(),
+        cores=cpu_cores(),
         threads=torch.get_num_threads(),
         load_avg=tuple(round(x, 2) for x in os.getloadavg()),  # type: ignore[arg-type]
         torch=torch.__version__,
@@ -77,16 +79,6 @@ def environment(device: str = "cpu") -> Env:
         python=platform.python_version(),
         device=dev,
     )
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,7 +322,3 @@ def fmt_ratio(spread: Spread | None) -> str:
     if spread.n == 1:
         return f"{spread.median:.2f}x"
     return f"{spread.median:.2f}x [{spread.q25:.2f}-{spread.q75:.2f}]"
-
-
-def fmt_pct(fraction: float | None, digits: int = 0) -> str:
-    return "-" if fraction is None else f"{100 * fraction:+.{digits}f}%"

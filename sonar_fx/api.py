@@ -16,7 +16,7 @@ from torch import nn
 from sonar_fx.backend import make_sonar_backend, record_fallback
 from sonar_fx.config import AdamWConfig
 from sonar_fx.eager import register_expert_hooks
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.discovery import ExpertLayer, discover_experts
 from sonar_fx.optim import slots
 from sonar_fx.optim.optimizer import Accumulation, Granularity, SonarOptimizer, SonarUsageError
 
@@ -119,7 +119,7 @@ def _fall_back_on_dynamo_errors(compiled: nn.Module, model: nn.Module, optimizer
     compiled.forward = forward
 
 
-def _check_dtypes_and_devices(layers) -> None:
+def _check_dtypes_and_devices(layers: list[ExpertLayer]) -> None:
     for layer in layers:
         params = [t.param for t in layer.tensors]
         if any(p.dtype == torch.float16 for p in params):

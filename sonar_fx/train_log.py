@@ -63,20 +63,34 @@ def memory_now(device: str) -> dict[str, float]:
     return {"peak_rss_mib": process_peak_rss_bytes() / 2**20}
 
 
+def cpu_name() -> str:
+    """The CPU model ("AMD EPYC ..."), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity, not the machine's total, where the OS says)."""
+    if hasattr(os, "sched_getaffinity"):  # not on macOS
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 0
+
+
 def environment(device: str) -> dict[str, Any]:
     """Versions and hardware, for summary.json and benchmark results."""
     import transformers
 
     import sonar_fx
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no sched_getaffinity
-        cores = os.cpu_count() or 0
     hardware: dict[str, Any] = {
         "device": device,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_cores": cores,
+        "cpu": cpu_name(),
+        "cpu_cores": cpu_cores(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
     }

@@ -19,7 +19,7 @@ def grad_like_param(param: Tensor, grad: Tensor) -> Tensor:
     CPU `_fused_adamw_` walks param and grad as flat buffers: a transposed gradient view (as graph
     outputs often are) gives silently wrong results, so its layout must match the parameter's.
     """
-    if grad.stride() == param.stride() and grad.dtype == param.dtype:
+    if grad.stride() == param.stride():
         return grad
     return torch.empty_like(param).copy_(grad)
 

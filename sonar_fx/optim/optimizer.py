@@ -156,9 +156,6 @@ class SonarOptimizer(torch.optim.Optimizer):
         )
         self.stats.end_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-
     def report(self) -> dict[str, Any]:
         """What Sonar found and did: expert tensors, update counts by path, compiles and fallbacks."""
         s = self.stats

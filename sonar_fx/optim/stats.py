@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-PATHS = ("graph", "hook")
-
 
 @dataclass
 class SonarStats:
