@@ -37,9 +37,11 @@ class SonarPartitioner(CustomPartitionerFn):
         self.slots_by_input = slots_by_input
         self.placement = placement
         self.fail = fail
+        self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
 
     def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        self.ran = True
         fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         if self.fail:
             raise RuntimeError("sonar: forced compiler failure (fail_compile=True)")
@@ -76,6 +78,7 @@ def make_sonar_backend(
         slots_by_input = {i: s for i, x in enumerate(example_inputs) if (s := slots.slot_of(x)) is not None}
         optimizer = slots.optimizer_of(next(iter(slots_by_input.values()))) if slots_by_input else None
         partitioner = SonarPartitioner(slots_by_input, placement=placement, fail=fail_compile)
+        cache_hits = _aot_cache_hits()
         try:
             compiled = _compile(gm, example_inputs, compiler, partitioner if slots_by_input else None)
         except Exception as err:
@@ -84,7 +87,7 @@ def make_sonar_backend(
             record_fallback(optimizer, err)
             return gm.forward
         if optimizer is not None:
-            _record_compile(optimizer, partitioner.inserted)
+            _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
         return compiled
 
     return sonar_backend
@@ -111,10 +114,19 @@ def _compile(
         return cast(Callable[..., Any], compile_fx(gm, example_inputs))
 
 
-def _record_compile(optimizer: SonarOptimizer, inserted: int) -> None:
+def _aot_cache_hits() -> int:
+    return torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _record_compile(optimizer: SonarOptimizer, partitioner: SonarPartitioner, *, from_cache: bool) -> None:
     stats = optimizer.stats
-    stats.graphs_compiled += 1
-    stats.updates_inserted += inserted
+    if from_cache:
+        # Inductor's AOTAutograd cache served the graph: compiled WITH the pass (the cache key holds
+        # the partitioner's uuid) in an earlier process, so the partitioner did not run to count.
+        stats.graphs_from_cache += 1
+    elif partitioner.ran:
+        stats.graphs_compiled += 1
+        stats.updates_inserted += partitioner.inserted
     compile_id = torch._guards.CompileContext.current_compile_id()
     if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
         stats.recompiles += 1

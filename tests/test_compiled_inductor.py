@@ -53,7 +53,9 @@ def test_inductor_pass_equals_compiled_standard_no_expert_clip(model_name, dtype
     assert_same_weights(sonar_model, twin)
     report = method.optimizer.report()
     assert report["updates_in_graph"] == 12 and report["updates_by_hook"] == 0, report
-    assert report["updates_inserted"] == 4
+    # A warm AOTAutograd cache serves the pass's graph without re-running the partitioner.
+    assert report["graphs_compiled"] + report["graphs_from_cache"] == 1
+    assert report["updates_inserted"] == 4 * report["graphs_compiled"]
 
 
 def test_standard_compiled_after_sonar_still_returns_expert_grads(runs):

@@ -168,6 +168,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             "updates_by_hook": s.updates["hook"],
             "update_calls": s.update_calls,
             "graphs_compiled": s.graphs_compiled,
+            "graphs_from_cache": s.graphs_from_cache,
             "updates_inserted": s.updates_inserted,
             "recompiles": s.recompiles,
             "fallbacks": list(s.fallbacks),

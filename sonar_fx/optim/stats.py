@@ -15,9 +15,11 @@ class SonarStats:
     update_calls: int = 0
     """Calls into the fused kernel (2L per step batched, 2EL per expert)."""
     graphs_compiled: int = 0
-    """Backward graphs the pass rewrote."""
+    """Backward graphs the pass rewrote in this process."""
+    graphs_from_cache: int = 0
+    """Graphs inductor's AOTAutograd cache served (compiled with the pass in an earlier process)."""
     updates_inserted: int = 0
-    """Update nodes inserted across all compiled graphs."""
+    """Update nodes inserted across the graphs the pass rewrote in this process."""
     recompiles: int = 0
     """Compiled graphs beyond the first one seen for each dynamo frame."""
     fallbacks: list[str] = field(default_factory=list)
