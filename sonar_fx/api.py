@@ -16,7 +16,7 @@ from torch import nn
 from sonar_fx.backend import make_sonar_backend, record_fallback
 from sonar_fx.config import AdamWConfig
 from sonar_fx.eager import register_expert_hooks
-from sonar_fx.experts.discovery import ExpertLayer, discover_experts
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
 from sonar_fx.optim import slots
 from sonar_fx.optim.optimizer import Accumulation, Granularity, SonarOptimizer, SonarUsageError
 
@@ -31,8 +31,12 @@ def prepare(
     experts: Iterable[nn.Parameter | str] | None = None,
     granularity: Granularity = "batched",
     accumulation: Accumulation = None,
+    expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
 ) -> SonarOptimizer:
-    """Build the `SonarOptimizer` for `model`, register its expert hooks and set `model.sonar`."""
+    """Build the `SonarOptimizer` for `model`, register its expert hooks and set `model.sonar`.
+
+    `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
+    the dense parameters ("dense": clipped, updated at `step()`)."""
     if not isinstance(opt_cfg, AdamWConfig):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, got {type(opt_cfg).__name__}. Sonar updates each expert "
@@ -43,7 +47,13 @@ def prepare(
         raise SonarUsageError(
             "This model is already prepared for Sonar (model.sonar exists); build a fresh one."
         )
-    layers = discover_experts(model, experts)
+    if any(p.is_meta for p in model.parameters()):
+        raise SonarUsageError(
+            "The model has parameters on the meta device. Materialise and load it first (model.to_empty("
+            "device=...), then load_state_dict), then call sonar_fx.prepare / compile: to_empty replaces the "
+            "parameter objects, and Sonar trains the objects it was given."
+        )
+    layers = discover_experts(model, experts, expert_biases=expert_biases)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
     dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
@@ -73,6 +83,7 @@ def compile(
     granularity: Granularity = "batched",
     fallback: bool = True,
     accumulation: Accumulation = None,
+    expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns the model to train; its optimizer is `.sonar`.
@@ -84,7 +95,10 @@ def compile(
     """
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}: expected one of {', '.join(COMPILERS)}.")
-    optimizer = prepare(model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation)
+    optimizer = prepare(
+        model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
+        expert_biases=expert_biases,
+    )  # fmt: skip
     if compiler == "eager":
         return model
     backend = make_sonar_backend(compiler, fallback=fallback)
