@@ -12,6 +12,7 @@ import torch
 
 import sonar_fx
 from benchmarks.families import batches, build_family, differing, run_twins, train
+from sonar_fx import passes
 from sonar_fx.methods import build_method
 from sonar_fx.optim.optimizer import SonarUsageError
 
@@ -48,8 +49,10 @@ def test_gpt_oss_biases_exact_either_way_and_the_policy_matters(expert_biases):
 def test_gpt_oss_bias_gradients_are_updated_inside_the_compiled_graph():
     # A bias gradient comes from an index-put (a scatter of per-token rows), not a matmul: the pass
     # must find that producer too, so every update, biases included, runs in the graph.
+    before = passes.counters["kind:other:aten::index_put"]
     run = run_twins("gpt_oss", "aot_eager", steps=2, expert_biases="experts")
     _exact(run)
+    assert passes.counters["kind:other:aten::index_put"] == before + 2 * 2  # 2 layers, 2 bias tensors
     assert run.report["expert_tensors"] == 8
     assert run.report["updates_in_graph"] == 2 * 8 and run.report["updates_by_hook"] == 0
 
