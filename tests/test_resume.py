@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sonar_fx import checkpoint as ckpt_io
+from sonar_fx.trainer import checkpoint as ckpt_io
 from sonar_fx.cli import main
 
 COMMON = [
