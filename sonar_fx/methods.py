@@ -47,8 +47,8 @@ class Execution:
             )
         if self.compiler == "eager" and not self.sonar_pass:
             raise ConfigFieldError(
-                "Execution.sonar_pass=False (hooks on a compiled model) needs a compiler: "
-                "compiler='aot_eager' or 'inductor'.",
+                "Execution.sonar_pass=False (hooks on a compiled model) needs compiler 'aot_eager' or "
+                "'inductor'.",
                 field="sonar_pass",
             )
 

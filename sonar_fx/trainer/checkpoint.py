@@ -88,16 +88,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def checksums(payload: Mapping[str, Any]) -> dict[str, str]:
-    """sha256 of each tensor (dtype, shape and bytes) by its path in `payload`, and of every other
-    value together under "<values>"; the "checksums" entry itself is left out."""
+    """sha256 of each tensor (dtype, shape and bytes) by its path in `payload` ("/model/<name>"), and
+    of the other values of each top-level entry together ("<values>/stream"); the "checksums" entry
+    itself is left out."""
     sums: dict[str, str] = {}
-    values = hashlib.sha256()
-    for where, leaf in _leaves({k: v for k, v in payload.items() if k != "checksums"}, ""):
-        if isinstance(leaf, torch.Tensor):
-            sums[where] = _tensor_digest(leaf)
-        else:
-            values.update(f"{where}={type(leaf).__name__}:{leaf!r};".encode())
-    sums["<values>"] = values.hexdigest()
+    for key, value in payload.items():
+        if key == "checksums":
+            continue
+        values = hashlib.sha256()
+        for where, leaf in _leaves(value, f"/{key}"):
+            if isinstance(leaf, torch.Tensor):
+                sums[where] = _tensor_digest(leaf)
+            else:
+                values.update(f"{where}={type(leaf).__name__}:{leaf!r};".encode())
+        sums[f"<values>/{key}"] = values.hexdigest()
     return sums
 
 
@@ -109,7 +113,7 @@ def verify(path: Path, ckpt: Mapping[str, Any]) -> None:
     now = checksums(ckpt)
     bad = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
     if bad:
-        shown = ", ".join("the non-tensor values" if k == "<values>" else k for k in bad[:3])
+        shown = ", ".join(k.replace("<values>", "the values of ") for k in bad[:3])
         raise CheckpointError(
             f"--resume {path}: the file is corrupted: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} "
             f"({shown}) no longer match the checksums it was saved with; resume from another checkpoint "
