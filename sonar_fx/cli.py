@@ -167,7 +167,7 @@ def _finetune(args: argparse.Namespace) -> int:
     if plan.nothing_to_do:
         print(f"{plan.out}: {plan.nothing_to_do}; nothing to do (its files are left as they are)")
         return 0
-    result = run_plan(plan)
+    result = run_plan(plan, handle_signals=True)
     summary, outcome = result.summary, result.outcome
     if outcome.signum is not None:
         print(

@@ -75,6 +75,10 @@ class TrainingMethod:
     max_grad_norm: float | None = None
     hook_optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.execution, str):  # a compiler name, as callers built it before `Execution`
+            self.execution = Execution(compiler=cast(api.Compiler, self.execution))
+
     @property
     def compiler(self) -> str:
         return self.execution.compiler

@@ -83,8 +83,13 @@ class Trainer:
         method: TrainingMethod,
         schedulers: list[torch.optim.lr_scheduler.LambdaLR],
         stream: D.BatchStream,
+        *,
+        handle_signals: bool = False,
     ) -> None:
+        """`handle_signals`: SIGTERM/SIGINT stop the run at the next step boundary with a checkpoint
+        (the command line's choice; a library caller keeps its own handlers by default)."""
         self.plan, self.cfg, self.model, self.method = plan, plan.cfg, model, method
+        self.handle_signals = handle_signals
         self.schedulers, self.stream = schedulers, stream
         assert self.cfg.device is not None and self.cfg.save_every is not None  # resolved by `plan_run`
         self.device, self.save_every = self.cfg.device, self.cfg.save_every
@@ -107,7 +112,7 @@ class Trainer:
         bar = tqdm(total=self.plan.steps, initial=self.start, desc=f"{cfg.method}/{cfg.execution.label}",
                    disable=not cfg.progress, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
         metrics = MetricsFile(self.plan.out / METRICS, keep_until=self.start if self.saved else None)
-        with metrics, bar, StopSignals() as stop:
+        with metrics, bar, StopSignals(enabled=self.handle_signals) as stop:
             for step in range(self.start, self.end):
                 record = self._guarded_step(step)
                 metrics.write(record)

@@ -73,8 +73,10 @@ def build(plan: RunPlan) -> tuple[nn.Module, TrainingMethod, list[torch.optim.lr
     return model, method, schedulers
 
 
-def run_plan(plan: RunPlan) -> RunResult:
-    """Train a planned run (see `train`); the output folder is locked for the whole run."""
+def run_plan(plan: RunPlan, *, handle_signals: bool = False) -> RunResult:
+    """Train a planned run (see `train`); the output folder is locked for the whole run.
+    `handle_signals`: SIGTERM/SIGINT stop at the next step boundary, with a checkpoint (see
+    `sonar_fx.trainer.signals`); off by default, so a caller's own handlers stay in charge."""
     started = time.perf_counter()
     cfg = plan.cfg
     if plan.nothing_to_do:
@@ -95,7 +97,7 @@ def run_plan(plan: RunPlan) -> RunResult:
                 stream.load_state_dict(plan.checkpoint["stream"])
                 plan.checkpoint = None  # free its tensors: they now live in the model and optimizers
             _announce(plan)
-            trainer = Trainer(plan, model, method, schedulers, stream)
+            trainer = Trainer(plan, model, method, schedulers, stream, handle_signals=handle_signals)
             outcome = trainer.run()
         finally:
             torch.use_deterministic_algorithms(deterministic)

@@ -3,8 +3,9 @@
 For: turning the first SIGTERM (a scheduler preempting the job) or SIGINT (Ctrl-C) into a request the
 trainer honours at the next step boundary (checkpoint, summary, exit status 128 + the signal number).
 A second signal interrupts at once (KeyboardInterrupt), for a user who cannot wait for the step.
-Never: stop in the middle of a step (an in-backward update cannot be taken back), or install
-handlers outside the main thread (Python allows them only there; elsewhere it does nothing).
+Never: stop in the middle of a step (an in-backward update cannot be taken back), install handlers
+unless asked (`enabled`: the command line asks; a library caller keeps its own), or outside the main
+thread (Python allows them only there; elsewhere it does nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 class StopSignals:
     """Context manager: while active, SIGTERM/SIGINT set `requested` instead of killing the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -38,7 +40,7 @@ class StopSignals:
         self.signum = signum
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in HANDLED:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
