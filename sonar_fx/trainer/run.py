@@ -84,8 +84,6 @@ def run_plan(plan: RunPlan, *, handle_signals: bool = False) -> RunResult:
     deterministic = torch.are_deterministic_algorithms_enabled()
     with locked(plan.out):
         remove_stale_temps(plan.out)
-        if cfg.overwrite:
-            replace_run(plan.out)
         try:
             # Global state, so set for this run only; compiled graphs are generated under it (first step).
             torch.use_deterministic_algorithms(cfg.deterministic or deterministic)
@@ -96,6 +94,8 @@ def run_plan(plan: RunPlan, *, handle_signals: bool = False) -> RunResult:
             if plan.checkpoint is not None:
                 stream.load_state_dict(plan.checkpoint["stream"])
                 plan.checkpoint = None  # free its tensors: they now live in the model and optimizers
+            if cfg.overwrite:  # only now: a run that cannot even be built replaces nothing
+                replace_run(plan.out)
             _announce(plan)
             trainer = Trainer(plan, model, method, schedulers, stream, handle_signals=handle_signals)
             outcome = trainer.run()
