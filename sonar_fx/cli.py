@@ -26,6 +26,7 @@ from sonar_fx.data import DataError
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.trainer import DTYPES, CheckpointError, ConfigError, StepFailed, TrainConfig
+from sonar_fx.trainer.signals import SecondSignal
 from sonar_fx.trainer.validate import field_error
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
@@ -47,12 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exception(exc.cause, file=sys.stderr)
         _error(args, str(exc))
         return EXIT_STEP_FAILED
-    except KeyboardInterrupt:
-        _error(
-            args,
-            "interrupted by a second signal, without saving; --resume continues from the last checkpoint",
-        )
-        return EXIT_SIGNAL_BASE + 2
+    except SecondSignal as exc:
+        _error(args, f"{exc}; --resume continues from the last checkpoint")
+        return EXIT_SIGNAL_BASE + exc.signum
 
 
 def _error(args: argparse.Namespace, message: str) -> None:

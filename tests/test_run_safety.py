@@ -210,6 +210,23 @@ def test_sigint_in_process_returns_130_after_saving(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
+def test_a_second_signal_stops_at_once_without_a_checkpoint(tmp_path, capsys, monkeypatch):
+    original, calls = TrainingMethod.train_step, []
+
+    def impatient(self, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # raises here, in the middle of step 3
+        return original(self, batch)
+
+    monkeypatch.setattr(TrainingMethod, "train_step", impatient)
+    assert finetune(tmp_path) == 128 + signal.SIGINT
+    assert "SIGINT again: stopping now, without a checkpoint" in capsys.readouterr().err
+    assert ckpt_io.load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 2
+    assert steps_in_metrics(tmp_path) == [1, 2]
+
+
 # ------------------------------------------------------------------------------------ faults in a step
 
 

@@ -18,6 +18,14 @@ from typing import Any
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second SIGTERM/SIGINT arrived before the step ended: stopping now, without a checkpoint."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} again: stopping now, without a checkpoint")
+        self.signum = signum
+
+
 class StopSignals:
     """Context manager: while active, SIGTERM/SIGINT set `requested` instead of killing the process."""
 
@@ -36,7 +44,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the second signal: do not wait for the step to end
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} again: stopping without a checkpoint")
+            raise SecondSignal(signum)
         self.signum = signum
 
     def __enter__(self) -> StopSignals:
