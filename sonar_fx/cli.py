@@ -25,7 +25,15 @@ from sonar_fx.config import ConfigFieldError
 from sonar_fx.data import DataError
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
-from sonar_fx.trainer import DTYPES, CheckpointError, ConfigError, StepFailed, TrainConfig
+from sonar_fx.trainer import (
+    DTYPES,
+    CheckpointError,
+    ConfigError,
+    StepFailed,
+    TrainConfig,
+    plan_run,
+    run_plan,
+)
 from sonar_fx.trainer.signals import SecondSignal
 from sonar_fx.trainer.validate import field_error
 
@@ -159,8 +167,6 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from sonar_fx.trainer import plan_run, run_plan
-
     plan = plan_run(train_config(args))
     if plan.nothing_to_do:
         print(f"{plan.out}: {plan.nothing_to_do}; nothing to do (its files are left as they are)")
