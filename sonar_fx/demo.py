@@ -21,7 +21,8 @@ from tabulate import tabulate
 from tqdm import tqdm
 
 from sonar_fx.experts.discovery import discover_experts
-from sonar_fx.train import RunResult, TrainConfig, train
+from sonar_fx.methods import Execution
+from sonar_fx.trainer import RunResult, TrainConfig, train
 
 DEMO_SHAPE = dict(hidden_size=128, intermediate_size=256, num_experts=64, num_hidden_layers=4)
 """tiny-olmoe with 64 experts of width 256 in 4 layers: 96 MiB of fp32 expert gradients against a few
@@ -141,8 +142,7 @@ def _arm_config(cfg: DemoConfig, arm: Arm, out: Path) -> TrainConfig:
         model="tiny-olmoe",
         model_overrides=cfg.model_overrides,
         method=arm.method,
-        compiler=cfg.compiler if arm.compiled else "eager",
-        sonar_pass=arm.sonar_pass,
+        execution=Execution(compiler=cfg.compiler if arm.compiled else "eager", sonar_pass=arm.sonar_pass),
         steps=cfg.steps,
         batch_size=cfg.batch_size,
         lr=cfg.lr,
@@ -154,6 +154,7 @@ def _arm_config(cfg: DemoConfig, arm: Arm, out: Path) -> TrainConfig:
         dtype="fp32",  # CPU bf16 grouped GEMMs are 10-70x slower; the bitwise claim holds in both
         device="cpu",
         out=str(out / arm.key),
+        overwrite=True,  # each demo run replaces the arm's previous run
         checkpoint=False,
         pad_to_max_len=True,  # every arm runs the same shapes, so the timings compare like with like
         deterministic=True,  # inductor's parallel CPU reductions would blur the bitwise comparison
