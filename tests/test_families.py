@@ -127,3 +127,21 @@ def test_prepare_on_the_meta_device_raises_and_names_the_fix():
     with pytest.raises(SonarUsageError, match=r"to_empty"):
         sonar_fx.prepare(model, CFG)
     assert getattr(model, "sonar", None) is None
+
+
+def test_partly_frozen_layer_trains_exactly_with_its_partner_as_expert():
+    runs = {}
+    for method in ("sonar", "standard_no_expert_clip"):
+        model = build_family("olmoe", seed=0)
+        frozen = model.model.layers[0].mlp.experts.gate_up_proj
+        frozen.requires_grad_(False)
+        with pytest.warns(UserWarning, match="Partly frozen"):
+            m = build_method(method, model, CFG, compiler="eager")
+        torch.manual_seed(0)
+        for b in batches(2):
+            m.train_step(b)
+        runs[method] = (model, m, frozen.detach().clone())
+    (sonar, m, frozen_after), (twin, _, _) = runs["sonar"], runs["standard_no_expert_clip"]
+    assert not differing(sonar, twin)
+    assert torch.equal(frozen_after, build_family("olmoe", seed=0).model.layers[0].mlp.experts.gate_up_proj)
+    assert m.optimizer.report()["last_step"]["model.layers.0.mlp.experts.down_proj"] == "hook"
