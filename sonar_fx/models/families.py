@@ -29,7 +29,7 @@ EXPERT_COUNT_FIELDS = (
 )
 """Config fields holding the number of routed experts (what marks a config as MoE here)."""
 
-# Generic shrink: each field present in a config (with a non-None value) gets the small value.
+# Generic shrink: each field a config has gets the small value (unless None means "off" there).
 _SMALL: dict[str, Any] = {
     "vocab_size": BYTE_VOCAB,
     "hidden_size": 64,
@@ -184,7 +184,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     }
     if "sparse" in (defaults.get("mlp_layer_types") or ()):
         fields["mlp_layer_types"] = ["sparse"] * 2  # every layer an MoE layer
-    if "kv_lora_rank" in defaults or "num_key_value_heads" not in defaults:
+    if "kv_lora_rank" in defaults and "num_key_value_heads" in defaults:
         fields["num_key_value_heads"] = fields.get("num_attention_heads", 4)  # MLA: one KV head per head
     fields.update({k: v for k, v in _SPECIAL_IDS.items() if k in defaults})
     fields.update(_FAMILY_FIELDS.get(model_type, {}))
