@@ -15,6 +15,7 @@ fallback fired, with its cause).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -262,15 +263,25 @@ def table(records: list[dict[str, Any]], compilers: tuple[str, ...]) -> Table:
     rows = []
     for family, row in sorted(by_family.items()):
         d = row.get("discovery", {}).get("discovery", {})
-        rows.append([family, _found(d), *[row.get(c, {}).get("verdict", "not run") for c in compilers]])
+        control = {True: "yes", False: "NO", None: "-"}[row.get("eager", {}).get("clip_control_differs")]
+        cells = [_short(row.get(c, {}).get("verdict", "not run")) for c in compilers]
+        rows.append([family, _found(d), control, *cells])
     if not rows:
-        rows.append(["(none)", "", *["" for _ in compilers]])
+        rows.append(["(none)", "", "", *["" for _ in compilers]])
     note = (
         "found: what discovery takes per layer (layout, tensors, E); `experts=` when the family needs "
-        "them listed. Cells: Sonar vs standard_no_expert_clip after the run's steps, torch.equal on every "
-        "parameter; upstream: plain torch.compile (the twin) fails the same way."
+        "them listed. clip matters: standard AdamW with a global clip differs from Sonar (eager), so the "
+        "clip is active and exactness has teeth (NO: the tiny model's gradient norm stays under the "
+        "clip). Cells: Sonar vs standard_no_expert_clip after the run's steps, torch.equal on every "
+        "parameter, and where the expert updates ran; upstream: plain torch.compile (the twin) fails "
+        "the same way. The full error of each cell is in results.json."
     )
-    return Table(title="MoE families", headers=["model type", "found", *compilers], rows=rows, note=note)
+    headers = ["model type", "found", "clip matters", *compilers]
+    return Table(title="MoE families", headers=headers, rows=rows, note=note)
+
+
+def _short(verdict: str, limit: int = 80) -> str:
+    return verdict if len(verdict) <= limit else verdict[: limit - 3] + "..."
 
 
 def _found(d: Mapping[str, Any]) -> str:
@@ -287,6 +298,9 @@ def _found(d: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--retable"]:
+        retable(Path(argv[1]) if len(argv) > 1 else common.RESULTS_DIR / SCRIPT / "results.json")
+        return
     if "--worker" in argv:
         p = argparse.ArgumentParser()
         p.add_argument("--worker", required=True)
@@ -327,6 +341,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{model_type}: " + " | ".join(cells), flush=True)
     inv.finish([table(records, cfg.compilers)], records=records)
     partial.unlink(missing_ok=True)  # everything is in results.json now
+
+
+def retable(path: Path) -> None:
+    """Render the table of an existing results.json again from its records (no training)."""
+    data = json.loads(path.read_text())
+    data["tables"] = [dataclasses.asdict(table(data["records"], tuple(data["config"]["compilers"])))]
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(Table(**data["tables"][0]).render())
 
 
 def _read_partial(path: Path) -> list[dict[str, Any]]:
