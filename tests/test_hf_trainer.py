@@ -1,0 +1,268 @@
+"""Sonar through transformers' Trainer and TRL's SFTTrainer: exact, resumable, and refusing what would
+train differently from what the arguments say.
+
+Every exactness claim is `torch.equal` on every parameter after a few Trainer steps against the SAME
+Trainer run with `torch.optim.AdamW(fused=True)` that clips only the dense gradients: there a callback
+clips them right before `optimizer.step()`, and the Trainer's own clip is off (it would clip the expert
+gradients too). Tiny models, built-in Alpaca-format data, one fixed sequence length (one compiled graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import sonar_fx  # noqa: E402
+from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to  # noqa: E402
+from sonar_fx.data import synthetic_records  # noqa: E402
+from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config  # noqa: E402
+from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion  # noqa: E402
+from sonar_fx.models import build_model  # noqa: E402
+
+from helpers import assert_same_weights, weights_differ  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay")
+
+MODELS = ["tiny-qwen3moe", "tiny-olmoe"]
+SEQ = 256
+TOKENIZER = ByteTokenizer()
+RECORDS = synthetic_records(12)
+EXAMPLES = encode_records(RECORDS, TOKENIZER, SEQ).examples
+# lr large enough to move weights visibly in 3 steps; max_grad_norm small enough that the clip is active.
+HYPER = dict(learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.01)
+QUIET = dict(report_to=[], logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_cpu=True)
+
+
+def collate_fixed(batch):
+    return pad_to(collate(batch, TOKENIZER.pad_id), SEQ, TOKENIZER.pad_id)
+
+
+def training_args(out, cls=TrainingArguments, **overrides) -> TrainingArguments:
+    fields = dict(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=3, max_grad_norm=0.5, seed=0,
+        save_strategy="no", **HYPER, **QUIET,
+    )  # fmt: skip
+    return cls(**{**fields, **overrides})
+
+
+class DenseOnlyClip(TrainerCallback):
+    """The twin's clip: only the dense gradients, right before `optimizer.step()`."""
+
+    def __init__(self, dense: list[nn.Parameter], max_norm: float) -> None:
+        self.dense, self.max_norm = dense, max_norm
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        torch.nn.utils.clip_grad_norm_(self.dense, self.max_norm)
+
+
+def standard_trainer(model, args, trainer_cls=Trainer, *, dense_only_clip=True, **kwargs):
+    """The twin: fused AdamW over every parameter, clipping dense gradients only (or, as a negative
+    control, every gradient with the Trainer's own clip)."""
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=True,
+    )  # fmt: skip
+    callbacks = []
+    if dense_only_clip:
+        experts = {id(t.param) for layer in sonar_fx.discover_experts(model) for t in layer.tensors}
+        callbacks = [DenseOnlyClip([p for p in model.parameters() if id(p) not in experts], args.max_grad_norm)]
+        args.max_grad_norm = 0.0
+    return trainer_cls(model=model, args=args, optimizers=(opt, None), callbacks=callbacks, **kwargs)
+
+
+def trainer_data():
+    return dict(train_dataset=EXAMPLES, data_collator=collate_fixed)
+
+
+@functools.cache
+def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
+    model = build_model(model_name, seed=0)
+    trainer = standard_trainer(model, training_args("unused"), dense_only_clip=dense_only_clip, **trainer_data())
+    trainer.train()
+    return model
+
+
+def sonar_run(model_name: str, compiler: str, **compile_kwargs):
+    torch._dynamo.reset()
+    args = training_args("unused")
+    model = sonar_fx.compile(build_model(model_name, seed=0), sonar_config(args), compiler=compiler, **compile_kwargs)
+    trainer = SonarTrainer(model=model, args=args, **trainer_data())
+    trainer.train()
+    return model, trainer
+
+
+# ---------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, compiler):
+    model, trainer = sonar_run(model_name, compiler)
+    assert_same_weights(model, standard_run(model_name))
+    assert weights_differ(model, build_model(model_name, seed=0))
+    assert trainer.optimizer.optimizer is model.sonar  # accelerate's wrapper around Sonar's optimizer
+    report = model.sonar.report()
+    path = "updates_in_graph" if compiler == "aot_eager" else "updates_by_hook"
+    assert report[path] == 3 * 4 and report["fallbacks"] == []
+    # The Trainer's own linear schedule drove both groups: after 3 of 3 steps the LR is 0.
+    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+
+
+def test_the_trainers_clip_of_every_gradient_is_not_the_twin():
+    """Teeth: standard AdamW under the Trainer's own clip (expert gradients included) must differ."""
+    model, _ = sonar_run("tiny-qwen3moe", "eager")
+    assert weights_differ(model, standard_run("tiny-qwen3moe", dense_only_clip=False))
+
+
+def test_a_second_clip_is_not_a_no_op():
+    """Why Sonar refuses to clip when the Trainer does: clipping an already clipped set scales it again."""
+    grads = [torch.randn(5, 7, generator=torch.Generator().manual_seed(i)) * 3 for i in range(3)]
+    once = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    twice = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(once + twice, grads + grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(once, 0.5)
+    torch.nn.utils.clip_grad_norm_(twice, 0.5)
+    torch.nn.utils.clip_grad_norm_(twice, 0.5)
+    assert any(not torch.equal(a.grad, b.grad) for a, b in zip(once, twice, strict=True))
+
+
+def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
+    """TRL's defaults (bf16 autocast through accelerate, gradient checkpointing) on prompt-completion
+    Alpaca rows tokenized by the byte tokenizer: the same tokens and masks as `sonar_fx.data`."""
+    tokenizer = byte_tokenizer()
+    data = Dataset.from_list(prompt_completion(RECORDS))
+
+    def run(sonar: bool):
+        args = training_args(tmp_path, SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ)
+        assert args.bf16 and args.gradient_checkpointing  # TRL's defaults, kept on purpose
+        model = build_model("tiny-qwen3moe", seed=0)
+        if sonar:
+            model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
+            trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        else:
+            trainer = standard_trainer(model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return model, trainer
+
+    sonar_model, trainer = run(sonar=True)
+    row, expected = trainer.train_dataset[0], encode_example(RECORDS[0], TOKENIZER, SEQ)
+    assert (row["input_ids"], row["labels"]) == (expected["input_ids"], expected["labels"])
+    assert sonar_model.sonar.report()["updates_by_hook"] == 3 * 4
+    standard_model, _ = run(sonar=False)
+    assert_same_weights(sonar_model, standard_model)
+    assert weights_differ(sonar_model, build_model("tiny-qwen3moe", seed=0))
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler):
+    """Three models in one process share one compiled graph (bound at run time to each model)."""
+    torch._dynamo.reset()
+
+    def trainer(out, max_steps):
+        args = training_args(out, max_steps=max_steps, save_strategy="steps", save_steps=2)
+        model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler=compiler)
+        return model, SonarTrainer(model=model, args=args, **trainer_data())
+
+    whole, t = trainer(tmp_path / "whole", 4)
+    t.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert [g["name"] for g in state["param_groups"]] == ["dense", "experts"]
+    assert len(state["state"]) == sum(1 for _ in whole.parameters())  # expert moments included
+
+    resumed, t = trainer(tmp_path / "resumed", 4)
+    t.train(resume_from_checkpoint=str(checkpoint))
+    assert_same_weights(resumed, whole)
+    assert resumed.sonar.state_dict()["state"].keys() == whole.sonar.state_dict()["state"].keys()
+    for key, s in resumed.sonar.state_dict()["state"].items():
+        other = whole.sonar.state_dict()["state"][key]
+        assert all(torch.equal(s[k], other[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+    # Teeth: the same resume without the optimizer state file must not match.
+    (checkpoint / "optimizer.pt").unlink()
+    fresh, t = trainer(tmp_path / "fresh", 4)
+    t.train(resume_from_checkpoint=str(checkpoint))
+    assert weights_differ(fresh, whole)
+
+
+# ----------------------------------------------------------------- what Trainer and accelerate read
+
+
+def _columns(model, args) -> tuple[list[str], bool]:
+    trainer = Trainer(model=model, args=args, **trainer_data())
+    trainer._set_signature_columns_if_needed()
+    return trainer._signature_columns, trainer.model_accepts_loss_kwargs
+
+
+@pytest.mark.parametrize("regional", [False, True])
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager", "inductor"])
+def test_the_trainers_column_filter_sees_the_models_forward(tmp_path, compiler, regional):
+    args = training_args(tmp_path)
+    expected = _columns(build_model("tiny-qwen3moe", seed=0), args)
+    assert {"input_ids", "attention_mask", "labels"} <= set(expected[0])
+    model = build_model("tiny-qwen3moe", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # regional=True turns the KV cache off, with a warning
+        model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, regional=regional)
+    assert _columns(model, args) == expected
+
+
+def test_accelerate_mixed_precision_wraps_and_unwraps_the_compiled_forward():
+    """accelerate's bf16 autocast rewraps `forward.__func__` and its unwrap binds what it finds with
+    MethodType: both must keep the compiled forward and the model's signature."""
+    from accelerate import Accelerator
+
+    torch._dynamo.reset()
+    model = build_model("tiny-qwen3moe", seed=0)
+    signature = inspect.signature(model.forward)
+    model = sonar_fx.compile(model, sonar_fx.AdamWConfig(max_grad_norm=None), compiler="aot_eager")
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    assert accelerator.native_amp
+    accelerator.prepare(model)
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        assert inspect.signature(model.forward) == signature
+        model(ids, labels=ids).loss.backward()  # positional input_ids: the module must not be passed twice
+        model.sonar.step()
+        model.sonar.zero_grad()
+        model = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    report = model.sonar.report()
+    assert report["updates_in_graph"] == 2 * 4 and report["updates_by_hook"] == 0
+    assert report["fallbacks"] == []
+
+
+def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
+    """A dynamo failure (graph break under fullgraph=True) falls back to the hooks: same columns, same
+    weights as the twin."""
+    model = build_model("tiny-qwen3moe", seed=0)
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    with pytest.warns(UserWarning, match="sonar: compilation failed"):
+        model, trainer = _train_compiled(model, tmp_path, fullgraph=True)
+    assert trainer._signature_columns == _columns(build_model("tiny-qwen3moe", seed=0), trainer.args)[0]
+    assert model.sonar.report()["updates_by_hook"] == 3 * 4 and len(model.sonar.report()["fallbacks"]) == 1
+    assert_same_weights(model, standard_run("tiny-qwen3moe"))
+
+
+def _train_compiled(model, out, **compile_kwargs):
+    torch._dynamo.reset()
+    args = training_args(out)
+    model = sonar_fx.compile(model, sonar_config(args), compiler="aot_eager", **compile_kwargs)
+    trainer = SonarTrainer(model=model, args=args, **trainer_data())
+    trainer.train()
+    return model, trainer
