@@ -9,6 +9,7 @@ gradients too). Tiny models, built-in Alpaca-format data, one fixed sequence len
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -20,20 +21,23 @@ from torch import nn
 pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 
-from datasets import Dataset  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+from datasets import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from trl import SFTConfig, SFTTrainer
 
-import sonar_fx  # noqa: E402
-from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to  # noqa: E402
-from sonar_fx.data import synthetic_records  # noqa: E402
-from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config  # noqa: E402
-from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion  # noqa: E402
-from sonar_fx.models import build_model  # noqa: E402
+import sonar_fx
+from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to, synthetic_records
+from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config
+from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
+from sonar_fx.models import build_model
 
-from helpers import assert_same_weights, weights_differ  # noqa: E402
+from helpers import assert_same_weights, weights_differ
 
-pytestmark = pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay"),
+    # transformers' own deprecation notices, raised from inside TRL's and PEFT's calls.
+    pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning"),
+]
 
 MODELS = ["tiny-qwen3moe", "tiny-olmoe"]
 SEQ = 256
@@ -77,7 +81,9 @@ def standard_trainer(model, args, trainer_cls=Trainer, *, dense_only_clip=True, 
     callbacks = []
     if dense_only_clip:
         experts = {id(t.param) for layer in sonar_fx.discover_experts(model) for t in layer.tensors}
-        callbacks = [DenseOnlyClip([p for p in model.parameters() if id(p) not in experts], args.max_grad_norm)]
+        callbacks = [
+            DenseOnlyClip([p for p in model.parameters() if id(p) not in experts], args.max_grad_norm)
+        ]
         args.max_grad_norm = 0.0
     return trainer_cls(model=model, args=args, optimizers=(opt, None), callbacks=callbacks, **kwargs)
 
@@ -89,7 +95,9 @@ def trainer_data():
 @functools.cache
 def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
     model = build_model(model_name, seed=0)
-    trainer = standard_trainer(model, training_args("unused"), dense_only_clip=dense_only_clip, **trainer_data())
+    trainer = standard_trainer(
+        model, training_args("unused"), dense_only_clip=dense_only_clip, **trainer_data()
+    )
     trainer.train()
     return model
 
@@ -97,7 +105,9 @@ def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
 def sonar_run(model_name: str, compiler: str, **compile_kwargs):
     torch._dynamo.reset()
     args = training_args("unused")
-    model = sonar_fx.compile(build_model(model_name, seed=0), sonar_config(args), compiler=compiler, **compile_kwargs)
+    model = sonar_fx.compile(
+        build_model(model_name, seed=0), sonar_config(args), compiler=compiler, **compile_kwargs
+    )
     trainer = SonarTrainer(model=model, args=args, **trainer_data())
     trainer.train()
     return model, trainer
@@ -153,7 +163,9 @@ def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
             model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
             trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
         else:
-            trainer = standard_trainer(model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer)
+            trainer = standard_trainer(
+                model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer
+            )
         trainer.train()
         return model, trainer
 
@@ -227,7 +239,9 @@ def test_accelerate_mixed_precision_wraps_and_unwraps_the_compiled_forward():
     """accelerate's bf16 autocast rewraps `forward.__func__` and its unwrap binds what it finds with
     MethodType: both must keep the compiled forward and the model's signature."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier Trainers set fp32; as Trainer does
     torch._dynamo.reset()
     model = build_model("tiny-qwen3moe", seed=0)
     signature = inspect.signature(model.forward)
@@ -266,3 +280,115 @@ def _train_compiled(model, out, **compile_kwargs):
     trainer = SonarTrainer(model=model, args=args, **trainer_data())
     trainer.train()
     return model, trainer
+
+
+# ------------------------------------------------------------------------------------- refusals
+
+
+def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overrides):
+    args = training_args(tmp_path, **arg_overrides)
+    cfg = dataclasses.replace(sonar_config(args), **(cfg_changes or {}))
+    model = sonar_fx.compile(
+        build_model("tiny-olmoe", seed=0), cfg, compiler="eager", **(compile_kwargs or {})
+    )
+    return model, lambda **kw: SonarTrainer(model=model, args=args, **trainer_data(), **kw)
+
+
+@pytest.mark.parametrize(
+    ("cfg_changes", "arg_overrides", "match"),
+    [
+        ({"max_grad_norm": 0.5}, {}, "second clip is not a no-op"),
+        ({"max_grad_norm": 0.5}, {"max_grad_norm": 0.0}, "Clip once, in the Trainer"),
+        ({"lr": 1e-3}, {}, r"lr: Trainer 0\.01, model\.sonar 0\.001"),
+        ({"betas": (0.9, 0.999)}, {}, r"betas: Trainer \(0\.9, 0\.95\)"),
+        ({}, {"gradient_accumulation_steps": 2}, "multiply per_device_train_batch_size by 2"),
+        ({}, {"optim": "sgd"}, "optim='sgd'"),
+        ({}, {"torch_compile": True}, "torch_compile=False"),
+        ({}, {"fp16": True}, "Use bf16=True or fp32"),
+    ],
+)
+def test_settings_that_would_train_differently_are_refused(tmp_path, cfg_changes, arg_overrides, match):
+    _, build = _sonar_trainer(tmp_path, cfg_changes, **arg_overrides)
+    with pytest.raises(sonar_fx.SonarUsageError, match=match):
+        build()
+
+
+def test_another_optimizer_and_late_trainable_parameters_are_refused(tmp_path):
+    model, build = _sonar_trainer(tmp_path)
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"optimizers=\(AdamW"):
+        build(optimizers=(adamw, None))
+    model.model.extra_scale = nn.Parameter(torch.ones(1))  # e.g. an adapter added after compile
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"model\.extra_scale"):
+        build()
+
+
+def test_per_microbatch_accumulation_when_asked(tmp_path):
+    """gradient_accumulation_steps=2 with accumulation='per_microbatch': one expert update per
+    micro-batch (announced), one dense step per optimizer step."""
+    model, build = _sonar_trainer(
+        tmp_path,
+        compile_kwargs={"accumulation": "per_microbatch"},
+        gradient_accumulation_steps=2,
+        max_steps=2,
+    )
+    trainer = build()
+    with pytest.warns(UserWarning, match="once per micro-batch"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert model.sonar.report()["updates_by_hook"] == 2 * 2 * 4
+    dense = model.sonar.state[model.model.embed_tokens.weight]
+    assert dense["step"].item() == 2
+
+
+def _lora_with_trainable_experts(model):
+    """LoRA on attention, experts fully trained: a PeftModel wrapping the MoE model."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, param in wrapped.named_parameters():
+        if ".mlp.experts." in name:  # PEFT froze every base parameter
+            param.requires_grad_(True)
+    return wrapped
+
+
+def test_peft_applied_before_compile_trains_exactly_and_after_compile_is_refused(tmp_path):
+    args = training_args(tmp_path, max_steps=2)
+    standard = _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0))
+    standard_trainer(standard, training_args(tmp_path, max_steps=2), **trainer_data()).train()
+
+    model = _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0))
+    model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
+    trainer = SonarTrainer(model=model, args=args, **trainer_data())
+    trainer._set_signature_columns_if_needed()  # the Trainer reads the base model's forward under PEFT
+    assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
+    trainer.train()
+    assert model.sonar.report()["updates_by_hook"] == 2 * 4
+    assert_same_weights(model, standard)
+    moved = weights_differ(model, _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0)))
+    assert any("lora_B" in n for n in moved) and any("experts" in n for n in moved)
+
+    late = _lora_with_trainable_experts(
+        sonar_fx.compile(build_model("tiny-qwen3moe", seed=0), sonar_config(args))
+    )
+    with pytest.raises(sonar_fx.SonarUsageError, match="lora_A"):
+        SonarTrainer(model=late, args=args, **trainer_data())
+
+
+@pytest.mark.parametrize("which", ["trainer", "sft"])
+def test_the_example_fine_tunes_and_the_held_out_loss_falls(tmp_path, which):
+    from examples.hf_trainer_alpaca import main
+
+    argv = [
+        "--trainer",
+        which,
+        "--compiler",
+        "eager",
+        "--steps",
+        "2",
+        "--held-out",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
+    result = main(argv)
+    assert result["eval_loss_after"] < result["eval_loss_before"]

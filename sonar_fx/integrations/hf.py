@@ -75,14 +75,15 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: So
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in SONAR_OPTIMS or args.optim_args:
         raise SonarUsageError(
-            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar trains with fused AdamW "
-            f"({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
+            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar trains with fused "
+            f"AdamW ({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
             "element-wise optimizer. Leave optim at its default."
         )
     if args.fp16:
         raise SonarUsageError(
-            "TrainingArguments(fp16=True) scales the loss with a GradScaler, whose unscale and inf check run "
-            "after Sonar has updated the experts from the scaled gradients in backward. Use bf16=True or fp32."
+            "TrainingArguments(fp16=True) scales the loss with a GradScaler, whose unscale and inf check "
+            "run after Sonar has updated the experts from the scaled gradients in backward. Use bf16=True or "
+            "fp32."
         )
     if args.torch_compile:
         raise SonarUsageError(
@@ -100,8 +101,9 @@ def _check_accumulation(args: TrainingArguments, optimizer: SonarOptimizer) -> N
     steps = args.gradient_accumulation_steps
     if steps > 1 and optimizer.accumulation != "per_microbatch":
         raise SonarUsageError(
-            f"TrainingArguments(gradient_accumulation_steps={steps}): Sonar updates the expert tensors inside "
-            "every backward, so accumulating would update them once per micro-batch (a different optimizer). "
+            f"TrainingArguments(gradient_accumulation_steps={steps}): Sonar updates the expert tensors "
+            "inside every backward, so accumulating would update them once per micro-batch (a different "
+            "optimizer). "
             f"For the same effective batch, set gradient_accumulation_steps=1 and multiply "
             f"per_device_train_batch_size by {steps}; to train with one expert update per micro-batch on "
             "purpose, compile with sonar_fx.compile(..., accumulation='per_microbatch')."
@@ -113,9 +115,9 @@ def _check_clip(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
         raise SonarUsageError(
             f"model.sonar clips the dense gradients itself (AdamWConfig.max_grad_norm="
             f"{optimizer.cfg.max_grad_norm}), and the Trainer clips them too when TrainingArguments."
-            f"max_grad_norm > 0 (now {args.max_grad_norm}): a second clip is not a no-op. Clip once, in the "
-            "Trainer: compile with sonar_fx.integrations.hf.sonar_config(args) (Sonar's clip off) and set the "
-            "norm with TrainingArguments(max_grad_norm=...)."
+            f"max_grad_norm > 0 (now {args.max_grad_norm}): a second clip is not a no-op. Clip once, in "
+            "the Trainer: compile with sonar_fx.integrations.hf.sonar_config(args) (Sonar's clip off) and "
+            "set the norm with TrainingArguments(max_grad_norm=...)."
         )
 
 
@@ -128,7 +130,8 @@ def _check_hyperparameters(args: TrainingArguments, optimizer: SonarOptimizer) -
         raise SonarUsageError(
             "model.sonar was built with other AdamW hyper-parameters than the TrainingArguments ("
             + "; ".join(differ)
-            + "), so the Trainer's would be ignored. Compile with sonar_fx.integrations.hf.sonar_config(args)."
+            + "), so the Trainer's would be ignored. Compile with "
+            "sonar_fx.integrations.hf.sonar_config(args)."
         )
 
 
@@ -157,8 +160,8 @@ class SonarTrainerMixin:
         if trainer.optimizer is not None and trainer.optimizer is not self.sonar:
             raise SonarUsageError(
                 f"optimizers=({type(trainer.optimizer).__name__}, ...): the optimizer of a Sonar model is "
-                "model.sonar, whose expert group is updated inside backward. Pass optimizers=(None, scheduler) "
-                "or leave it out; the scheduler may be your own."
+                "model.sonar, whose expert group is updated inside backward. Pass "
+                "optimizers=(None, scheduler) or leave it out; the scheduler may be your own."
             )
         if trainer.optimizer_cls_and_kwargs is not None:
             raise SonarUsageError(
@@ -200,11 +203,14 @@ def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
         return []
     if not isinstance(model, PreTrainedModel):
         raise RuntimeError(
-            f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. {missing[:3]}) and "
-            f"{type(model).__name__} is not a PreTrainedModel, whose from_pretrained could convert them."
+            f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. "
+            f"{missing[:3]}) and {type(model).__name__} is not a PreTrainedModel, whose from_pretrained "
+            "could convert them."
         )
     dtype = next(iter(state.values())).dtype
-    converted = type(model).from_pretrained(checkpoint, config=model.config, dtype=dtype, local_files_only=True)
+    converted = type(model).from_pretrained(
+        checkpoint, config=model.config, dtype=dtype, local_files_only=True
+    )
     source = converted.state_dict()
     absent = [k for k in missing if k not in source]
     if absent:
