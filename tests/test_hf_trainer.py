@@ -102,12 +102,10 @@ def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
     return model
 
 
-def sonar_run(model_name: str, compiler: str, **compile_kwargs):
+def sonar_run(model: nn.Module, compiler: str, out="unused", **compile_kwargs):
     torch._dynamo.reset()
-    args = training_args("unused")
-    model = sonar_fx.compile(
-        build_model(model_name, seed=0), sonar_config(args), compiler=compiler, **compile_kwargs
-    )
+    args = training_args(out)
+    model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, **compile_kwargs)
     trainer = SonarTrainer(model=model, args=args, **trainer_data())
     trainer.train()
     return model, trainer
@@ -119,7 +117,7 @@ def sonar_run(model_name: str, compiler: str, **compile_kwargs):
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, compiler):
-    model, trainer = sonar_run(model_name, compiler)
+    model, trainer = sonar_run(build_model(model_name, seed=0), compiler)
     assert_same_weights(model, standard_run(model_name))
     assert weights_differ(model, build_model(model_name, seed=0))
     assert trainer.optimizer.optimizer is model.sonar  # accelerate's wrapper around Sonar's optimizer
@@ -131,9 +129,9 @@ def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, co
 
 
 def test_the_trainers_clip_of_every_gradient_is_not_the_twin():
-    """Teeth: standard AdamW under the Trainer's own clip (expert gradients included) must differ."""
-    model, _ = sonar_run("tiny-qwen3moe", "eager")
-    assert weights_differ(model, standard_run("tiny-qwen3moe", dense_only_clip=False))
+    """Teeth: standard AdamW under the Trainer's own clip (expert gradients included) must differ from
+    the twin (which Sonar equals, above)."""
+    assert weights_differ(standard_run("tiny-qwen3moe"), standard_run("tiny-qwen3moe", dense_only_clip=False))
 
 
 def test_a_second_clip_is_not_a_no_op():
@@ -156,7 +154,7 @@ def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
     data = Dataset.from_list(prompt_completion(RECORDS))
 
     def run(sonar: bool):
-        args = training_args(tmp_path, SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ)
+        args = training_args(tmp_path, SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2)
         assert args.bf16 and args.gradient_checkpointing  # TRL's defaults, kept on purpose
         model = build_model("tiny-qwen3moe", seed=0)
         if sonar:
@@ -172,7 +170,7 @@ def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
     sonar_model, trainer = run(sonar=True)
     row, expected = trainer.train_dataset[0], encode_example(RECORDS[0], TOKENIZER, SEQ)
     assert (row["input_ids"], row["labels"]) == (expected["input_ids"], expected["labels"])
-    assert sonar_model.sonar.report()["updates_by_hook"] == 3 * 4
+    assert sonar_model.sonar.report()["updates_by_hook"] == 2 * 4
     standard_model, _ = run(sonar=False)
     assert_same_weights(sonar_model, standard_model)
     assert weights_differ(sonar_model, build_model("tiny-qwen3moe", seed=0))
@@ -206,6 +204,8 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
         other = whole.sonar.state_dict()["state"][key]
         assert all(torch.equal(s[k], other[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
+    if compiler != "eager":
+        return
     # Teeth: the same resume without the optimizer state file must not match.
     (checkpoint / "optimizer.pt").unlink()
     fresh, t = trainer(tmp_path / "fresh", 4)
@@ -242,7 +242,6 @@ def test_accelerate_mixed_precision_wraps_and_unwraps_the_compiled_forward():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)  # earlier Trainers set fp32; as Trainer does
-    torch._dynamo.reset()
     model = build_model("tiny-qwen3moe", seed=0)
     signature = inspect.signature(model.forward)
     model = sonar_fx.compile(model, sonar_fx.AdamWConfig(max_grad_norm=None), compiler="aot_eager")
@@ -267,19 +266,10 @@ def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
     model = build_model("tiny-qwen3moe", seed=0)
     model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
     with pytest.warns(UserWarning, match="sonar: compilation failed"):
-        model, trainer = _train_compiled(model, tmp_path, fullgraph=True)
+        model, trainer = sonar_run(model, "aot_eager", tmp_path, fullgraph=True)
     assert trainer._signature_columns == _columns(build_model("tiny-qwen3moe", seed=0), trainer.args)[0]
     assert model.sonar.report()["updates_by_hook"] == 3 * 4 and len(model.sonar.report()["fallbacks"]) == 1
     assert_same_weights(model, standard_run("tiny-qwen3moe"))
-
-
-def _train_compiled(model, out, **compile_kwargs):
-    torch._dynamo.reset()
-    args = training_args(out)
-    model = sonar_fx.compile(model, sonar_config(args), compiler="aot_eager", **compile_kwargs)
-    trainer = SonarTrainer(model=model, args=args, **trainer_data())
-    trainer.train()
-    return model, trainer
 
 
 # ------------------------------------------------------------------------------------- refusals
@@ -374,21 +364,10 @@ def test_peft_applied_before_compile_trains_exactly_and_after_compile_is_refused
         SonarTrainer(model=late, args=args, **trainer_data())
 
 
-@pytest.mark.parametrize("which", ["trainer", "sft"])
-def test_the_example_fine_tunes_and_the_held_out_loss_falls(tmp_path, which):
+def test_the_example_fine_tunes_and_the_held_out_loss_falls(tmp_path):
     from examples.hf_trainer_alpaca import main
 
-    argv = [
-        "--trainer",
-        which,
-        "--compiler",
-        "eager",
-        "--steps",
-        "2",
-        "--held-out",
-        "8",
-        "--out",
-        str(tmp_path),
-    ]
-    result = main(argv)
+    result = main(
+        ["--compiler", "eager", "--steps", "2", "--records", "24", "--held-out", "8", "--out", str(tmp_path)]
+    )
     assert result["eval_loss_after"] < result["eval_loss_before"]
