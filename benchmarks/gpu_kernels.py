@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -237,13 +238,31 @@ def unavailable(cfg: Config, backend: str, dtype: torch.dtype) -> str | None:
     return None
 
 
+class TimeLimit(BaseException):
+    """SIGTERM (a `timeout` around the script): stop measuring, but still write what was measured."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise TimeLimit
+
+
 def run_checks(cfg: Config) -> tuple[list[Numerics], list[Exactness], dict[str, str], dict[str, str]]:
-    dtypes = [torch.float32] if cfg.device == "cpu" else [torch.bfloat16, torch.float32]
-    shapes = ["tiny"] if cfg.tiny else list(LAYER_SHAPES)
     numerics: list[Numerics] = []
     exactness: list[Exactness] = []
     failures: dict[str, str] = {}
     missing: dict[str, str] = {}
+    try:
+        _run_checks(cfg, numerics, exactness, failures, missing)
+    except TimeLimit:
+        failures["time limit"] = "stopped by SIGTERM; the checks after the last row were not run"
+    return numerics, exactness, missing, failures
+
+
+def _run_checks(
+    cfg: Config, numerics: list[Numerics], exactness: list[Exactness], failures: dict, missing: dict
+) -> None:
+    dtypes = [torch.float32] if cfg.device == "cpu" else [torch.bfloat16, torch.float32]
+    shapes = ["tiny"] if cfg.tiny else list(LAYER_SHAPES)
     for backend in cfg.backends:
         runnable = []
         for dtype in dtypes:
@@ -258,7 +277,6 @@ def run_checks(cfg: Config) -> tuple[list[Numerics], list[Exactness], dict[str, 
         for compiler in cfg.compilers if runnable else ():
             key = f"exactness {backend} {compiler}"
             _attempt(key, failures, exactness, partial(check_exactness, cfg, backend, compiler, runnable[0]))
-    return numerics, exactness, missing, failures
 
 
 def _attempt(key: str, failures: dict[str, str], results: list, fn) -> None:
@@ -371,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         script=SCRIPT, command=common.command(SCRIPT, argv), args=args, cfg=cfg,
         env=common.environment(cfg.device),  # date and load at the start, as `Env` documents
     )  # fmt: skip
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     numerics, exactness, missing, failures = run_checks(cfg)
     inv.finish(
         tables(numerics, exactness, missing, failures),

@@ -32,9 +32,9 @@ modeling_olmoe.OlmoeExperts.forward = _patched_forward
 from . import kernels  # noqa: E402
 '''
 
-KERNELS_INIT = '''
+KERNELS_INIT = """
 from . import ops
-'''
+"""
 
 OPS = '''
 """Stand-in for scattermoe/kernels/ops.py (upstream 0.3.0 signatures; plain torch kernels)."""
