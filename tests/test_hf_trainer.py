@@ -213,6 +213,20 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert weights_differ(fresh, whole)
 
 
+def test_load_best_model_at_end_restores_the_expert_tensors_too(tmp_path):
+    """The best checkpoint is made the earlier one (highest loss "best"), so loading it must move every
+    tensor back, experts included, to what from_pretrained reads from that checkpoint."""
+    args = training_args(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+    )  # fmt: skip
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    trainer = SonarTrainer(model=model, args=args, eval_dataset=EXAMPLES[:2], **trainer_data())
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    assert_same_weights(model, type(model).from_pretrained(trainer.state.best_model_checkpoint))
+
+
 # ----------------------------------------------------------------- what Trainer and accelerate read
 
 

@@ -16,7 +16,8 @@ Trainer subclass through `SonarTrainerMixin` (TRL's `SFTTrainer`: `sonar_fx.inte
   `max_grad_norm=None`); a model whose Sonar config clips is refused, since a second clip is not a no-op
   (it scales by max_norm / (norm + 1e-6)).
 - Checkpoints: the Trainer's own. Its `optimizer.pt` holds `model.sonar.state_dict()` (dense and expert
-  moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise.
+  moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise; expert weights
+  that `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
 
 Never: clip twice, accumulate gradients silently (experts are updated inside every backward), ignore a
 Trainer argument that would change the optimizer, or leave a trainable parameter out of the optimizer.
@@ -187,13 +188,19 @@ class SonarTrainerMixin:
         super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
         load_converted_weights_(model if model is not None else trainer.model, Path(resume_from_checkpoint))
 
+    def _load_best_model(self) -> None:
+        trainer: Any = self
+        super()._load_best_model()  # type: ignore[misc]
+        load_converted_weights_(trainer.model, Path(trainer.state.best_model_checkpoint))
+
 
 def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
     """Load, in place, the weights the Trainer's resume could not: those `save_pretrained` wrote in the
     checkpoint's original layout (transformers 5 saves batched MoE experts back as one tensor per
     expert, and the Trainer's resume loads keys as they are, so every expert tensor would silently keep
-    its fresh value). `from_pretrained` converts the layout; the tensors are then copied into the
-    model's own parameters, so Sonar's bindings and compiled graphs stay valid. Returns the names."""
+    its fresh value; `load_best_model_at_end` likewise). `from_pretrained` converts the layout, holding
+    one more copy of the model in CPU memory meanwhile; the tensors are then copied into the model's own
+    parameters, so Sonar's bindings and compiled graphs stay valid. Returns the names."""
     saved = _checkpoint_keys(checkpoint)
     if saved is None:
         return []  # not a safetensors checkpoint: the Trainer's own load reported what it found
