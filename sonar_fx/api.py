@@ -17,7 +17,7 @@ from torch import nn
 
 from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import ExpertLayer, discover_experts
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
@@ -32,10 +32,13 @@ def prepare(
     granularity: Granularity = "batched",
     accumulation: Accumulation = None,
     nonfinite: NonFinite = "raise",
+    expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
 ) -> SonarOptimizer:
     """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
     `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
-    untouched and the error names it), "skip" (the step is skipped and counted) or "ignore"."""
+    untouched and the error names it), "skip" (the step is skipped and counted) or "ignore".
+    `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
+    the dense parameters ("dense": clipped, updated at `step()`)."""
     if not isinstance(opt_cfg, AdamWConfig):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, got {type(opt_cfg).__name__}. Sonar updates each expert "
@@ -46,7 +49,13 @@ def prepare(
         raise SonarUsageError(
             "This model is already prepared for Sonar (model.sonar exists); build a fresh one."
         )
-    layers = discover_experts(model, experts)
+    if any(p.is_meta for p in model.parameters()):
+        raise SonarUsageError(
+            "The model has parameters on the meta device. Materialise and load it first (model.to_empty("
+            "device=...), then load_state_dict), then call sonar_fx.prepare / compile: to_empty replaces the "
+            "parameter objects, and Sonar trains the objects it was given."
+        )
+    layers = discover_experts(model, experts, expert_biases=expert_biases)
     _refuse_gradient_reducing_wrappers(model, layers)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
@@ -78,6 +87,7 @@ def compile(
     accumulation: Accumulation = None,
     nonfinite: NonFinite = "raise",
     regional: bool = False,
+    expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
@@ -99,6 +109,7 @@ def compile(
         granularity=granularity,
         accumulation=accumulation,
         nonfinite=nonfinite,
+        expert_biases=expert_biases,
     )
     if compiler == "eager":
         return model

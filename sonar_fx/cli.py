@@ -23,6 +23,7 @@ from typing import Any
 from sonar_fx.api import COMPILERS
 from sonar_fx.config import ConfigFieldError
 from sonar_fx.data import DataError
+from sonar_fx.experts.report import add_inspect_flags, inspect_command
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.trainer import (
@@ -48,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "finetune":
             return _finetune(args)
+        if args.command == "inspect":
+            return inspect_command(args)
         return _demo(args)
     except USER_ERRORS as exc:
         _error(args, str(exc))
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--steps", type=_positive_int, default=None, help="steps per arm (default: the demo's)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_inspect_flags(
+        sub.add_parser("inspect", help="list the expert tensors Sonar finds in a model (no training)")
+    )
     return parser
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from sonar_fx import api
 from sonar_fx.config import AdamWConfig, ConfigFieldError
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, discover_experts
 from sonar_fx.optim.optimizer import Granularity
 
 METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar", "sonar_per_expert")
@@ -149,7 +149,9 @@ def build_method(
     if name == "standard":
         clip = params
     else:
-        expert_ids = {id(t.param) for layer in discover_experts(model, experts) for t in layer.tensors}
+        biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
+        layers = discover_experts(model, experts, expert_biases=biases)
+        expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
         clip = [p for p in params if id(p) not in expert_ids]
     return TrainingMethod(name, execution, run, adamw, clip if cfg.clips else [], cfg.max_grad_norm)
 

@@ -1,10 +1,18 @@
-"""Expert discovery finds each architecture's batched tensors, or explains what it saw."""
+"""Expert discovery finds experts by structure, whatever their names, or explains what it saw."""
+
+import json
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import sonar_fx
+from sonar_fx import cli
+from sonar_fx.experts.discovery import structural_layers
+from sonar_fx.experts.report import discovery_report
 from sonar_fx.models import TINY_MODELS, build_model
+from sonar_fx.models.families import build_family, moe_model_types
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))
@@ -32,6 +40,9 @@ def test_explicit_experts_by_name_and_by_parameter():
         sonar_fx.discover_experts(model, ["nope"])
     with pytest.raises(ValueError, match="not a parameter of this model"):
         sonar_fx.discover_experts(model, [torch.nn.Parameter(torch.zeros(2, 2, 2))])
+    params[names[0]].requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen"):
+        sonar_fx.discover_experts(model, names)
 
 
 def test_nothing_found_lists_3d_params_and_the_fix():
@@ -40,3 +51,176 @@ def test_nothing_found_lists_3d_params_and_the_fix():
     with pytest.raises(sonar_fx.NoExpertsFoundError) as err:
         sonar_fx.discover_experts(model)
     assert "weight: (4, 3, 2)" in str(err.value) and "experts=" in str(err.value)
+
+
+# --- structure, not names: synthetic modules --------------------------------------------------------
+
+
+class Declared(nn.Module):
+    """An experts module with made-up parameter names and a declared count."""
+
+    def __init__(self, e=4, shapes=((12, 8), (8, 6)), extra=None):
+        super().__init__()
+        self.num_local_experts = e
+        for i, s in enumerate(shapes):
+            setattr(self, f"w{i}", nn.Parameter(torch.zeros(e, *s) if len(s) == 2 else torch.zeros(*s)))
+        for name, shape in (extra or {}).items():
+            setattr(self, name, nn.Parameter(torch.zeros(*shape)))
+
+
+def _wrap(**children):
+    model = nn.Module()
+    for name, child in children.items():
+        setattr(model, name, child)
+    return model
+
+
+def test_any_names_with_a_declared_count_are_found_with_roles_and_biases():
+    model = _wrap(moe=Declared(extra={"b0": (4, 12), "router_like": (4, 8, 1, 1)}))
+    (layer,) = sonar_fx.discover_experts(model)
+    roles = {t.name: t.role for t in layer.tensors}
+    assert roles == {"moe.w0": "up", "moe.w1": "down", "moe.b0": "bias"}
+    assert layer.layout == "batched" and layer.num_experts == 4
+    (dense,) = sonar_fx.discover_experts(model, expert_biases="dense")
+    assert [t.name for t in dense.tensors] == ["moe.w0", "moe.w1"] and dense.dense_biases == ("moe.b0",)
+
+
+def test_without_a_declared_count_two_3d_tensors_with_one_leading_dim_are_needed():
+    two = nn.Module()
+    two.a, two.b = nn.Parameter(torch.zeros(4, 6, 8)), nn.Parameter(torch.zeros(4, 8, 3))
+    assert [t.name for t in sonar_fx.discover_experts(_wrap(m=two))[0].tensors] == ["m.a", "m.b"]
+    one = nn.Module()
+    one.a = nn.Parameter(torch.zeros(4, 6, 8))
+    with pytest.raises(sonar_fx.NoExpertsFoundError):
+        sonar_fx.discover_experts(_wrap(m=one))
+
+
+def test_convolutions_routers_and_mismatched_counts_are_not_experts():
+    conv = nn.Conv1d(8, 8, 3, groups=8)
+    conv.num_experts = 8  # even a conv declaring a count is never an experts module
+    router = Declared(shapes=((4, 8),))  # (E, d): a router's shape
+    router.w0 = nn.Parameter(torch.zeros(4, 8))
+    mismatched = Declared(e=4, shapes=((5, 6, 8), (5, 8, 6)))
+    model = _wrap(conv=conv, conv2=nn.Conv1d(8, 8, 3), router=router, mismatched=mismatched)
+    with pytest.raises(sonar_fx.NoExpertsFoundError, match="declare an expert count"):
+        sonar_fx.discover_experts(model)
+
+
+def test_fused_2d_weights_are_taken_as_their_expert_view():
+    fused = Declared(e=4, shapes=((20, 8), (20, 8)))
+    for name, shape in (("w0", (20, 8)), ("w1", (20, 8)), ("w2", (20, 8))):
+        setattr(fused, name, nn.Parameter(torch.zeros(*shape)))
+    (layer,) = sonar_fx.discover_experts(_wrap(ffn=fused))
+    assert layer.layout == "fused_2d"
+    assert {t.expert_shape for t in layer.tensors} == {(4, 5, 8)}
+
+
+# --- every MoE family of transformers, on the meta device ----------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", moe_model_types())
+def test_every_family_routed_expert_is_found_and_nothing_else(model_type):
+    model = build_family(model_type, device="meta")
+    params = dict(model.named_parameters())
+    if model_type == "doge":  # embedding-style (E, d) experts: a router's shape, so never guessed
+        with pytest.raises(sonar_fx.NoExpertsFoundError, match=r"down_embed\.weight"):
+            sonar_fx.discover_experts(model)
+        return
+    layers = sonar_fx.discover_experts(model)
+    claimed = {t.name for layer in layers for t in layer.tensors}
+    assert layers and all(layer.num_experts == 8 for layer in layers)  # the tiny configs' E
+    routed_3d = {n for n, p in params.items() if p.dim() == 3 and p.shape[0] == 8}
+    assert routed_3d <= claimed, f"left dense: {sorted(routed_3d - claimed)}"
+    assert not {n for n in claimed if params[n].dim() == 2 and params[n].shape[0] == 8 and "bias" not in n}
+    assert not {n for n in claimed if "shared" in n}, "shared experts stay dense"
+    assert all(t.expert_shape[0] in (8, 10) for layer in layers for t in layer.tensors)
+
+
+def test_nemotron_h_non_gated_experts():
+    (layer,) = sonar_fx.discover_experts(build_family("nemotron_h", device="meta"))
+    up, down = layer.tensors
+    assert up.name.endswith("experts.up_proj") and (up.role, down.role) == ("up", "down")
+    assert up.expert_shape == (8, 32, 64) and "not gated" in layer.notes[0]
+
+
+def test_longcat_zero_computation_rows_stay_in_the_layer():
+    layers = sonar_fx.discover_experts(build_family("longcat_flash", device="meta"))
+    up, down = layers[0].tensors
+    assert (up.expert_shape[0], down.expert_shape[0], layers[0].num_experts) == (10, 8, 8)
+    assert "zero-computation" in layers[0].notes[0]
+
+
+def test_jetmoe_per_expert_linears_grouped_per_layer_attention_included():
+    layers = sonar_fx.discover_experts(build_family("jetmoe", device="meta"))
+    assert [layer.name for layer in layers] == [
+        f"model.layers.{i}.{part}" for i in (0, 1) for part in ("mlp", "self_attention.experts")
+    ]
+    assert all(layer.layout == "parallel_linear" and len(layer.tensors) == 2 for layer in layers)
+    assert [t.role for t in layers[0].tensors] == ["up", "down"]
+
+
+def test_dbrx_fused_weights_and_gpt_oss_biases_both_policies():
+    (dbrx, _) = sonar_fx.discover_experts(build_family("dbrx", device="meta"))
+    assert [t.expert_shape for t in dbrx.tensors] == [(8, 32, 64)] * 3
+    model = build_family("gpt_oss", device="meta")
+    with_biases = sonar_fx.discover_experts(model, expert_biases="experts")
+    assert [t.role for t in with_biases[0].tensors] == ["up", "down", "bias", "bias"]
+    dense = sonar_fx.discover_experts(model, expert_biases="dense")
+    assert [t.role for t in dense[0].tensors] == ["up", "down"]
+    assert dense[0].dense_biases == tuple(t.name for t in with_biases[0].tensors[2:])
+    with pytest.raises(ValueError, match="expert_biases"):
+        sonar_fx.discover_experts(model, expert_biases="yes")
+
+
+def test_report_lists_shared_experts_and_router_as_dense():
+    report = discovery_report(build_family("qwen2_moe", device="meta"))
+    block = report["layers"][0]
+    kinds = {d["module"].rsplit(".", 1)[-1]: d["kind"] for d in block["dense_in_block"]}
+    assert kinds == {"gate": "router", "shared_expert": "dense", "shared_expert_gate": "dense"}
+    assert "dense by design" in report["shared_experts"]
+    assert 0 < report["expert_fraction"] < 1
+    json.dumps(report)  # plain data
+
+
+# --- frozen experts -----------------------------------------------------------------------------
+
+
+def test_partly_frozen_layer_keeps_its_partner_an_expert_and_warns():
+    model = build_model("tiny-olmoe")
+    model.model.layers[0].mlp.experts.gate_up_proj.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"Partly frozen.*layers\.0\.mlp\.experts\.gate_up_proj"):
+        layers = sonar_fx.discover_experts(model)
+    assert [t.name for t in layers[0].tensors] == ["model.layers.0.mlp.experts.down_proj"]
+    assert layers[0].frozen == ("model.layers.0.mlp.experts.gate_up_proj",)
+    assert len(layers[1].tensors) == 2
+
+
+def test_all_experts_frozen_says_so():
+    model = build_model("tiny-olmoe")
+    for layer in structural_layers(model):
+        for t in layer.tensors:
+            t.param.requires_grad_(False)
+    with pytest.raises(sonar_fx.NoExpertsFoundError, match="frozen"):
+        sonar_fx.discover_experts(model)
+
+
+def test_unfrozen_model_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sonar_fx.discover_experts(build_model("tiny-olmoe"))
+
+
+# --- sonar-fx inspect -----------------------------------------------------------------------------
+
+
+def test_inspect_prints_layers_json_and_errors(capsys):
+    assert cli.main(["inspect", "--model", "tiny-olmoe"]) == 0
+    text = capsys.readouterr().out
+    assert "model.layers.1.mlp.experts.down_proj" in text and "dense by design" in text
+    assert cli.main(["inspect", "--model", "hf:gpt_oss", "--json", "--expert-biases", "dense"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"][0]["dense_biases"] and report["expert_biases"] == "dense"
+    assert cli.main(["inspect", "--model", "hf:doge"]) == 2
+    assert "up_embed.weight" in capsys.readouterr().out
+    assert cli.main(["inspect", "--model", "no-such-model"]) == 2
+    assert "hf:<model_type>" in capsys.readouterr().err
