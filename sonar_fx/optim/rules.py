@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
 from sonar_fx.optim.adamw import fused_adamw_, grad_like_param
 from sonar_fx.optim.lion import LionRef, lion_
-from sonar_fx.optim.sgd import fused_sgd_
+from sonar_fx.optim.sgd import fused_sgd_, torch_sgd
 
 State = dict[str, Any]
 """One tensor's optimizer state, as `torch.optim.Optimizer.state[param]` holds it."""
@@ -111,7 +111,8 @@ class AdamRule(UpdateRule):
 
 
 class SGDRule(UpdateRule):
-    """SGD with momentum, dampening, Nesterov and L2 decay: torch's `_fused_sgd_`."""
+    """SGD with momentum, dampening, Nesterov and L2 decay: torch's `_fused_sgd_` (foreach SGD for CPU
+    bf16 tensors, which that kernel leaves unchanged: see `sonar_fx.optim.sgd`)."""
 
     name = "sgd"
 
@@ -147,7 +148,7 @@ class SGDRule(UpdateRule):
         return param.shape[0]
 
     def torch_optimizer(self, params, cfg):  # type: ignore[no-untyped-def]
-        return torch.optim.SGD(params, fused=True, **self.defaults(cfg))
+        return torch_sgd(params, **self.defaults(cfg))
 
 
 class LionRule(UpdateRule):

@@ -4,14 +4,21 @@ plain-tensor reference.
 Legend: every tensor argument has the shape and dtype of its parameter; a momentum buffer is None
 until the tensor's first update (as `torch.optim.SGD` keeps it). This module never decides WHEN to
 update; it only computes the update.
+
+MEASURED (torch 2.13 CPU): `torch._fused_sgd_` leaves bf16 (and fp16) CPU tensors UNCHANGED, with or
+without momentum, and raises nothing: `torch.optim.SGD(fused=True)` silently does not train them. Such
+tensors take torch's foreach SGD instead (`torch.optim.SGD(foreach=True)`'s arithmetic), and
+`torch_sgd` builds the matching twin, so no path trains silently wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.sgd import sgd as sgd_functional
 
 from sonar_fx.optim.adamw import grad_like_param
 
@@ -40,6 +47,14 @@ def fused_sgd_(
     if not params:
         return buffers
     grads = [grad_like_param(p, g) for p, g in zip(params, grads, strict=True)]
+    if not fused_kernel_works(params):
+        # The foreach path takes no skip flag: a non-finite gradient is checked on the host (one sync).
+        if found_inf is None or not bool(found_inf):
+            sgd_functional(
+                list(params), grads, buffers, foreach=True, weight_decay=weight_decay, momentum=momentum,
+                lr=lr, dampening=dampening, nesterov=nesterov, maximize=False,
+            )  # fmt: skip
+        return buffers
     hyper = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov)
     if momentum == 0:
         _kernel(list(params), grads, [], first=False, found_inf=found_inf, **hyper)
@@ -54,6 +69,19 @@ def fused_sgd_(
             _kernel([params[i] for i in group], [grads[i] for i in group], bufs, first=first,  # type: ignore[misc]
                     found_inf=found_inf, **hyper)  # fmt: skip
     return buffers
+
+
+def fused_kernel_works(params: Sequence[Tensor]) -> bool:
+    """Whether `torch._fused_sgd_` updates these tensors (see the module docstring)."""
+    return not any(p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16) for p in params)
+
+
+def torch_sgd(params: Sequence[Any], **hyper: Any) -> torch.optim.SGD:
+    """`torch.optim.SGD(fused=True)`, or `foreach=True` where the fused kernel does not update."""
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    if fused_kernel_works(tensors):
+        return torch.optim.SGD(params, fused=True, **hyper)
+    return torch.optim.SGD(params, foreach=True, **hyper)
 
 
 def _kernel(
