@@ -145,7 +145,7 @@ def build_method(
     if name not in METHODS:
         raise ValueError(f"Unknown method {name!r}: expected one of {', '.join(METHODS)}.")
     execution = _execution(execution, compiler, sonar_pass)
-    _check_clip(name, cfg)
+    check_clip(name, cfg)
     if name.startswith("sonar"):
         granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
         if execution.compiled and not execution.sonar_pass:
@@ -166,12 +166,12 @@ def build_method(
     dense = [p for p in params if id(p) not in expert_ids]
     expert_params = [p for p in params if id(p) in expert_ids]
     split = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
-    optimizer = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
+    baseline = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
     expert_optimizer = rule_for(cfg, experts=True).torch_optimizer(expert_params, cfg) if split else None
     clip = params if name == "standard" else dense
     per_tensor = expert_params if cfg.expert_clip == "per_tensor" and cfg.clips else []
     return TrainingMethod(
-        name, execution, run, optimizer, clip if cfg.clips else [], cfg.max_grad_norm,
+        name, execution, run, baseline, clip if cfg.clips else [], cfg.max_grad_norm,
         per_tensor_clip=per_tensor, expert_optimizer=expert_optimizer,
     )  # fmt: skip
 
@@ -181,7 +181,7 @@ def twin_method(cfg: OptimizerConfig) -> str:
     return "standard" if cfg.expert_clip == "global" else "standard_no_expert_clip"
 
 
-def _check_clip(name: str, cfg: OptimizerConfig) -> None:
+def check_clip(name: str, cfg: OptimizerConfig) -> None:
     """A baseline clips as its name says; an `expert_clip` it cannot honour is refused, not ignored."""
     allowed = {
         "standard": (None, "global"),

@@ -44,8 +44,10 @@ def lion_(
     m32 = [m.float() for m in exp_avgs]
     update = torch._foreach_add(torch._foreach_mul(m32, beta1), torch._foreach_mul(g32, 1 - beta1))
     torch._foreach_sign_(update)
-    new_p = torch._foreach_sub(torch._foreach_mul(p32, 1 - lr * weight_decay), torch._foreach_mul(update, lr))
-    new_m = torch._foreach_add(torch._foreach_mul(m32, beta2), torch._foreach_mul(g32, 1 - beta2))
+    new_p = list(
+        torch._foreach_sub(torch._foreach_mul(p32, 1 - lr * weight_decay), torch._foreach_mul(update, lr))
+    )
+    new_m = list(torch._foreach_add(torch._foreach_mul(m32, beta2), torch._foreach_mul(g32, 1 - beta2)))
     if found_inf is not None:
         skip = found_inf.to(torch.bool)
         new_p = [torch.where(skip, old, new) for old, new in zip(p32, new_p, strict=True)]

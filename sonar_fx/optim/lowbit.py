@@ -12,14 +12,14 @@ Never: import torchao before a config asks for low-bit states; change what torch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.rules import State, UpdateRule
+from sonar_fx.optim.update_rule import State, UpdateRule
 
 BLOCK_SIZE = {8: 256, 4: 128}
 """torchao's default block size per state width (AdamW8bit / AdamW4bit)."""
@@ -70,7 +70,7 @@ class LowBitAdamRule(UpdateRule):
     def _new_buffer(self, param: Tensor, *, signed: bool) -> Tensor:
         block = BLOCK_SIZE[self.bits]
         if param.numel() >= MIN_QUANTIZED and param.numel() % block == 0:
-            return self.torchao_class._subclass_zeros(param, signed, block)  # type: ignore[no-any-return]
+            return self.torchao_class._subclass_zeros(param, signed, block)
         return torch.zeros_like(param)
 
     def update_(
@@ -96,11 +96,11 @@ class LowBitAdamRule(UpdateRule):
                     self.decoupled, False,
                 )  # fmt: skip
 
-    def update_slices_(self, param, grad, state, group, *, found_inf):  # type: ignore[no-untyped-def]
+    def update_slices_(self, param, grad, state, group, *, found_inf):
         raise NotImplementedError("per-expert granularity with low-bit states")  # refused at construction
 
     def torch_optimizer(self, params: Sequence[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
-        return self.torchao_class(list(params), **self.defaults(cfg))  # type: ignore[no-any-return]
+        return self.torchao_class(list(params), **self.defaults(cfg))
 
 
 def is_lowbit(t: object) -> bool:
@@ -127,7 +127,7 @@ def unpack_state(packed: dict[str, Any], device: torch.device) -> Tensor:
              "OptimState4bit": optim.subclass_4bit.OptimState4bit}  # fmt: skip
     cls = kinds[packed[LOWBIT_KEY]]
     inner = {n: packed[n].to(device) for n in cls.tensor_attrs}
-    return cls.__tensor_unflatten__(inner, [_decode(a) for a in packed["attributes"]])  # type: ignore[no-any-return]
+    return cls.__tensor_unflatten__(inner, [_decode(a) for a in packed["attributes"]])
 
 
 def _encode(attribute: Any) -> list[Any]:
@@ -145,3 +145,32 @@ def _decode(encoded: list[Any]) -> Any:
     if kind == "shape":
         return torch.Size(value)
     return value
+
+
+def pack_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with every quantized state packed (`pack_state`); others unchanged."""
+    if not any(is_lowbit(v) for st in sd["state"].values() for v in st.values()):
+        return sd
+    state = {
+        k: {n: pack_state(v) if is_lowbit(v) else v for n, v in st.items()} for k, st in sd["state"].items()
+    }
+    return {**sd, "state": state}
+
+
+def load_packed_state_dict(
+    optimizer: torch.optim.Optimizer, sd: dict[str, Any], load: Callable[[dict[str, Any]], None] | None = None
+) -> None:
+    """Load `sd` (from `pack_state_dict`) into `optimizer`: plain entries through `load` (default: its
+    `load_state_dict`), packed ones rebuilt on their parameter's device, never cast (torch's loader
+    would cast a quantized state's fp32 scales to a bf16 parameter's dtype)."""
+    load = load or optimizer.load_state_dict
+    packed = {(k, n): v for k, st in sd["state"].items() for n, v in st.items() if is_packed(v)}
+    if not packed:
+        load(sd)
+        return
+    plain = {k: {n: v for n, v in st.items() if (k, n) not in packed} for k, st in sd["state"].items()}
+    load({**sd, "state": plain})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for (k, n), v in packed.items():
+        param = params[int(k)]
+        optimizer.state[param][n] = unpack_state(v, param.device)

@@ -273,7 +273,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.cfg.clips and clip_by is not None and grads:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, clip_by)  # type: ignore[arg-type]
         states = [self._state(p) for p in params]
-        self.rule.update_(params, grads, states, group)  # type: ignore[arg-type]
+        self.rule.update_(params, grads, states, group)
         self._end_step()
 
     def backward(self, loss: Tensor) -> None:
@@ -304,7 +304,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         # The in-graph update op is declared as mutating the expert weights, so running it bumped their
         # version counters (views share them) although the norm pass wrote nothing; pass 2 replays the
         # same graph, whose saved weights autograd checks against the versions they were saved at.
-        torch._C._autograd._unsafe_set_version_counter(params, versions)
+        torch._C._autograd._unsafe_set_version_counter(tuple(params), tuple(versions))
         experts = self._global_norm()
         if experts is None:  # non-finite under nonfinite="skip": the step is skipped
             return
@@ -479,30 +479,11 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict; low-bit expert states are stored as their plain tensors (codes, scales)."""
-        sd = super().state_dict()
-        if any(lowbit.is_lowbit(v) for st in sd["state"].values() for v in st.values()):
-            sd["state"] = {
-                k: {n: lowbit.pack_state(v) if lowbit.is_lowbit(v) else v for n, v in st.items()}
-                for k, st in sd["state"].items()
-            }
-        return sd
+        return lowbit.pack_state_dict(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, with low-bit expert states rebuilt bitwise (torch would cast their scales)."""
-        packed = {
-            (k, n): v for k, st in state_dict["state"].items() for n, v in st.items() if lowbit.is_packed(v)
-        }
-        if not packed:
-            super().load_state_dict(state_dict)
-            return
-        plain = {
-            k: {n: v for n, v in st.items() if (k, n) not in packed} for k, st in state_dict["state"].items()
-        }
-        super().load_state_dict({**state_dict, "state": plain})
-        params = [p for group in self.param_groups for p in group["params"]]
-        for (k, n), v in packed.items():
-            param = params[int(k)]
-            self.state[param][n] = lowbit.unpack_state(v, param.device)
+        lowbit.load_packed_state_dict(self, state_dict, super().load_state_dict)
 
 
 def _refuse_unsupported(cfg: OptimizerConfig, expert_rule: str, granularity: str, accumulation: Any) -> None:

@@ -11,59 +11,17 @@ Never: decide WHEN an update runs, or clip (see `norms`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
 from sonar_fx.optim.adamw import fused_adamw_, grad_like_param
 from sonar_fx.optim.lion import LionRef, lion_
+from sonar_fx.optim.lowbit import LowBitAdamRule
 from sonar_fx.optim.sgd import fused_sgd_, torch_sgd
-
-State = dict[str, Any]
-"""One tensor's optimizer state, as `torch.optim.Optimizer.state[param]` holds it."""
-
-
-class UpdateRule:
-    """Base class: see the module docstring. Subclasses set `name` and implement the methods."""
-
-    name = ""
-
-    def defaults(self, cfg: OptimizerConfig) -> dict[str, Any]:
-        """The hyper-parameters each param group carries (LR schedulers and `state_dict` see them)."""
-        raise NotImplementedError
-
-    def init_state(self, param: Tensor, state: State) -> None:
-        """Fill the empty `state` of `param` before its first update (may leave it empty)."""
-
-    def update_(
-        self,
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        states: Sequence[State],
-        group: dict[str, Any],
-        *,
-        found_inf: Tensor | None = None,
-    ) -> None:
-        """Update every tensor of `params` with its gradient, in place; `found_inf` (0-d float32,
-        1.0 = skip) leaves them all untouched without a host sync."""
-        raise NotImplementedError
-
-    def update_slices_(
-        self, param: Tensor, grad: Tensor, state: State, group: dict[str, Any], *, found_inf: Tensor | None
-    ) -> int:
-        """The per-expert ablation: one update call per expert slice `param[e]`; returns the calls."""
-        grad = grad_like_param(param, grad)
-        for e in range(param.shape[0]):
-            sliced = {k: v[e] if isinstance(v, Tensor) and v.dim() else v for k, v in state.items()}
-            self.update_([param[e]], [grad[e]], [sliced], group, found_inf=found_inf)
-        return param.shape[0]
-
-    def torch_optimizer(self, params: Sequence[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        """The end-of-step optimizer over `params` that this rule's updates equal bitwise."""
-        raise NotImplementedError
+from sonar_fx.optim.update_rule import State, UpdateRule
 
 
 class AdamRule(UpdateRule):
@@ -88,13 +46,13 @@ class AdamRule(UpdateRule):
         return dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                     weight_decay=group["weight_decay"], decoupled=self.decoupled)  # fmt: skip
 
-    def update_(self, params, grads, states, group, *, found_inf=None):  # type: ignore[no-untyped-def]
+    def update_(self, params, grads, states, group, *, found_inf=None):
         fused_adamw_(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [s["step"] for s in states], found_inf=found_inf, **self._hyper(group),
         )  # fmt: skip
 
-    def update_slices_(self, param, grad, state, group, *, found_inf):  # type: ignore[no-untyped-def]
+    def update_slices_(self, param, grad, state, group, *, found_inf):
         # All slices share the tensor's step: count it once, then run E kernels that do not count.
         g, m, v, step = grad_like_param(param, grad), state["exp_avg"], state["exp_avg_sq"], state["step"]
         step.add_(1)
@@ -105,7 +63,7 @@ class AdamRule(UpdateRule):
             step.sub_(found_inf)
         return param.shape[0]
 
-    def torch_optimizer(self, params, cfg):  # type: ignore[no-untyped-def]
+    def torch_optimizer(self, params, cfg):
         kind = torch.optim.AdamW if self.decoupled else torch.optim.Adam
         return kind(params, fused=True, **self.defaults(cfg))
 
@@ -124,7 +82,7 @@ class SGDRule(UpdateRule):
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         return {k: group[k] for k in ("lr", "momentum", "dampening", "nesterov", "weight_decay")}
 
-    def update_(self, params, grads, states, group, *, found_inf=None):  # type: ignore[no-untyped-def]
+    def update_(self, params, grads, states, group, *, found_inf=None):
         # The momentum buffer appears at a tensor's first update (torch.optim.SGD keeps it the same way).
         buffers = fused_sgd_(params, grads, [s.get("momentum_buffer") for s in states], found_inf=found_inf,
                              **self._hyper(group))  # fmt: skip
@@ -132,7 +90,7 @@ class SGDRule(UpdateRule):
             if buf is not None:
                 state["momentum_buffer"] = buf
 
-    def update_slices_(self, param, grad, state, group, *, found_inf):  # type: ignore[no-untyped-def]
+    def update_slices_(self, param, grad, state, group, *, found_inf):
         if group["momentum"] and "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.empty_like(param)
             first = True
@@ -144,10 +102,10 @@ class SGDRule(UpdateRule):
             slice_buf = None if first or buf is None else buf[e]
             out = fused_sgd_([param[e]], [g[e]], [slice_buf], found_inf=found_inf, **self._hyper(group))
             if first and out[0] is not None:
-                buf[e].copy_(out[0])  # type: ignore[index]
+                buf[e].copy_(out[0])
         return param.shape[0]
 
-    def torch_optimizer(self, params, cfg):  # type: ignore[no-untyped-def]
+    def torch_optimizer(self, params, cfg):
         return torch_sgd(params, **self.defaults(cfg))
 
 
@@ -163,11 +121,11 @@ class LionRule(UpdateRule):
     def init_state(self, param: Tensor, state: State) -> None:
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-    def update_(self, params, grads, states, group, *, found_inf=None):  # type: ignore[no-untyped-def]
+    def update_(self, params, grads, states, group, *, found_inf=None):
         lion_(params, grads, [s["exp_avg"] for s in states], lr=group["lr"], beta1=group["betas"][0],
               beta2=group["betas"][1], weight_decay=group["weight_decay"], found_inf=found_inf)  # fmt: skip
 
-    def torch_optimizer(self, params, cfg):  # type: ignore[no-untyped-def]
+    def torch_optimizer(self, params, cfg):
         return LionRef(params, **self.defaults(cfg))
 
 
@@ -175,8 +133,6 @@ def rule_for(cfg: OptimizerConfig, *, experts: bool = False) -> UpdateRule:
     """The rule of `cfg`'s optimizer; `experts=True`: the rule of the expert tensors (low-bit states
     when `cfg.state_bits` asks for them)."""
     if experts and getattr(cfg, "state_bits", 32) != 32:
-        from sonar_fx.optim.lowbit import LowBitAdamRule  # torchao is optional: imported on demand
-
         return LowBitAdamRule(bits=cfg.state_bits, decoupled=isinstance(cfg, AdamWConfig))  # type: ignore[union-attr]
     if isinstance(cfg, AdamWConfig):
         return AdamRule(decoupled=True)

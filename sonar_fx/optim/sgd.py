@@ -61,14 +61,13 @@ def fused_sgd_(
         return buffers
     fresh = [i for i, b in enumerate(buffers) if b is None]
     kept = [i for i, b in enumerate(buffers) if b is not None]
-    for i in fresh:
-        buffers[i] = torch.empty_like(grads[i])  # the kernel writes the gradient into it
+    # A fresh buffer: the kernel writes the gradient into it.
+    full: list[Tensor] = [torch.empty_like(grads[i]) if b is None else b for i, b in enumerate(buffers)]
     for group, first in ((fresh, True), (kept, False)):
         if group:
-            bufs = [buffers[i] for i in group]
-            _kernel([params[i] for i in group], [grads[i] for i in group], bufs, first=first,  # type: ignore[misc]
-                    found_inf=found_inf, **hyper)  # fmt: skip
-    return buffers
+            _kernel([params[i] for i in group], [grads[i] for i in group], [full[i] for i in group],
+                    first=first, found_inf=found_inf, **hyper)  # fmt: skip
+    return list(full)
 
 
 def fused_kernel_works(params: Sequence[Tensor]) -> bool:
@@ -91,7 +90,7 @@ def _kernel(
     *,
     first: bool,
     found_inf: Tensor | None,
-    **hyper: float,
+    **hyper: Any,
 ) -> None:
     torch._fused_sgd_(
         params, grads, buffers, **hyper, maximize=False, is_first_step=first, grad_scale=None,
