@@ -71,11 +71,12 @@ class SonarPartitioner(CustomPartitionerFn):
 
 @functools.cache
 def sonar_backend(
-    compiler: BackendCompiler = "inductor", *, fallback: bool = True
+    compiler: BackendCompiler = "inductor", *, fallback: bool = True, keep_graph: bool = False
 ) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
     """The dynamo backend for `compiler`. One object per setting, so every model compiled with the same
-    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time)."""
-    return make_sonar_backend(compiler, fallback=fallback)
+    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time).
+    `keep_graph=True` compiles backwards that may run twice on one forward (expert_clip="global")."""
+    return make_sonar_backend(compiler, fallback=fallback, keep_graph=keep_graph)
 
 
 def make_sonar_backend(
@@ -83,8 +84,11 @@ def make_sonar_backend(
     *,
     fallback: bool = True,
     bw_pass: BackwardPass = expert_update_pass,
+    keep_graph: bool = False,
 ) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
-    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks)."""
+    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks).
+    `keep_graph=True`: no donated buffers, whose backward may overwrite saved tensors (and refuses
+    `retain_graph=True`), so the backward can run twice on one forward."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
@@ -94,7 +98,8 @@ def make_sonar_backend(
         partitioner = SonarPartitioner(owners, bw_pass=bw_pass)
         cache_hits = _aot_cache_hits()
         try:
-            compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
+            with torch._functorch.config.patch(donated_buffer=not keep_graph):
+                compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
         except Exception as err:
             if not fallback or optimizer is None:
                 raise

@@ -149,6 +149,12 @@ def build_method(
     if name.startswith("sonar"):
         granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
         if execution.compiled and not execution.sonar_pass:
+            if cfg.expert_clip == "global":
+                raise ConfigFieldError(
+                    "expert_clip='global' runs backward twice on one forward, which the compiled backward of "
+                    "plain torch.compile (hooks on a compiled model) does not allow: use the graph pass.",
+                    field="expert_clip",
+                )
             optimizer = api.prepare(model, cfg, experts=experts, granularity=granularity, **sonar_kwargs)
             run = _compiled(model, execution.compiler)
         else:
