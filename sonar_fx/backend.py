@@ -45,9 +45,16 @@ _SOURCES = (
 class SonarPartitioner(CustomPartitionerFn):
     """Default min-cut partition, then the expert-update pass on the backward graph."""
 
-    def __init__(self, expert_inputs: Collection[int], *, bw_pass: BackwardPass = expert_update_pass) -> None:
+    def __init__(
+        self,
+        expert_inputs: Collection[int],
+        *,
+        bw_pass: BackwardPass = expert_update_pass,
+        keep_graph: bool = False,
+    ) -> None:
         self.expert_inputs = frozenset(expert_inputs)
         self.bw_pass = bw_pass
+        self.keep_graph = keep_graph  # in the cache key: a cached graph with donated buffers cannot run twice
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
 
@@ -66,6 +73,7 @@ class SonarPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         knobs = f"{sorted(self.expert_inputs)}|{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
+        knobs += "|keep_graph" if self.keep_graph else ""
         return get_hash_for_files(_SOURCES, knobs).hex()
 
 
@@ -95,7 +103,7 @@ def make_sonar_backend(
     def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         owners = {i: o for i, x in enumerate(example_inputs) if (o := _owner(x)) is not None}
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
-        partitioner = SonarPartitioner(owners, bw_pass=bw_pass)
+        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, keep_graph=keep_graph)
         cache_hits = _aot_cache_hits()
         try:
             with torch._functorch.config.patch(donated_buffer=not keep_graph):

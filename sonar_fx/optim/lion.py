@@ -7,9 +7,10 @@ multi-tensor update, a pure single-tensor reference, and the end-of-step optimiz
 
 torch has no Lion, so the reference is written here in torchao's style (one pure function per
 tensor, computed in fp32 and stored in the parameter's dtype, as torch's fused kernels do for bf16).
-`lion_` runs the same element-wise operations in the same order on every tensor of a list (foreach
-kernels), so the two agree bitwise. Legend: `params`, `grads`, `exp_avgs` share each parameter's
-shape and dtype. Never decides WHEN to update.
+`lion_` runs the same element-wise operations in the same order on every tensor of a list, in place
+where it can (fewer temporaries while the layer's gradient is alive), so the two agree bitwise.
+Legend: `params`, `grads`, `exp_avgs` share each parameter's shape and dtype. Never decides WHEN to
+update.
 """
 
 from __future__ import annotations
@@ -38,22 +39,21 @@ def lion_(
     tensor untouched without a sync (the new values are selected against the old on the device)."""
     if not params:
         return
-    grads = [grad_like_param(p, g) for p, g in zip(params, grads, strict=True)]
-    p32 = [p.float() for p in params]
-    g32 = [g.float() for g in grads]
-    m32 = [m.float() for m in exp_avgs]
-    update = torch._foreach_add(torch._foreach_mul(m32, beta1), torch._foreach_mul(g32, 1 - beta1))
-    torch._foreach_sign_(update)
-    new_p = list(
-        torch._foreach_sub(torch._foreach_mul(p32, 1 - lr * weight_decay), torch._foreach_mul(update, lr))
-    )
-    new_m = list(torch._foreach_add(torch._foreach_mul(m32, beta2), torch._foreach_mul(g32, 1 - beta2)))
-    if found_inf is not None:
-        skip = found_inf.to(torch.bool)
-        new_p = [torch.where(skip, old, new) for old, new in zip(p32, new_p, strict=True)]
-        new_m = [torch.where(skip, old, new) for old, new in zip(m32, new_m, strict=True)]
-    torch._foreach_copy_(list(params), new_p)
-    torch._foreach_copy_(list(exp_avgs), new_m)
+    skip = None if found_inf is None else found_inf.to(torch.bool)
+    for p, grad, m in zip(params, grads, exp_avgs, strict=True):
+        # One tensor at a time, in place where the arithmetic allows: each product is rounded and
+        # then added, exactly as `lion_ref` writes it, with a few layer-sized temporaries at most.
+        p32, g32, m32 = p.float(), grad_like_param(p, grad).float(), m.float()
+        update = m32 * beta1
+        update.add_(g32 * (1 - beta1)).sign_()
+        new_m = m32 * beta2
+        new_m.add_(g32 * (1 - beta2))
+        new_p = p32 * (1 - lr * weight_decay)
+        new_p.sub_(update.mul_(lr))
+        if skip is not None:
+            new_p, new_m = torch.where(skip, p32, new_p), torch.where(skip, m32, new_m)
+        p.copy_(new_p)
+        m.copy_(new_m)
 
 
 def lion_ref(

@@ -91,6 +91,9 @@ class ExpertClipper:
     """The global clip coefficient, known between the two passes of the global mode."""
     skip_step: bool = False
     """The global mode's norm pass found a non-finite norm under nonfinite="skip": `step()` skips."""
+    track_norms: bool = True
+    """Take each expert gradient's norm when no clipping needs it (False: an ablation that measures
+    what logging the norms costs; clipping modes always take them)."""
 
     def clip(self, name: str, grad: Tensor, owned: bool) -> Tensor:
         """Record `grad`'s norm; return it clipped as the mode says (a new tensor unless `owned`)."""
@@ -98,6 +101,8 @@ class ExpertClipper:
             # The norm was recorded by the norm pass, from the same gradient.
             assert self.coef is not None
             return scaled(grad, owned, self.coef)
+        if self.mode is None and not self.track_norms:
+            return grad
         norm = self.current.experts[name] = tensor_norm(grad)
         if self.mode == "per_tensor" and self.max_norm is not None:
             # clip_grad_norm_([p]): the "global" norm of one tensor is the norm of its norm.
