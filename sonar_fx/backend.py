@@ -45,16 +45,9 @@ _SOURCES = (
 class SonarPartitioner(CustomPartitionerFn):
     """Default min-cut partition, then the expert-update pass on the backward graph."""
 
-    def __init__(
-        self,
-        expert_inputs: Collection[int],
-        *,
-        bw_pass: BackwardPass = expert_update_pass,
-        keep_graph: bool = False,
-    ) -> None:
+    def __init__(self, expert_inputs: Collection[int], *, bw_pass: BackwardPass = expert_update_pass) -> None:
         self.expert_inputs = frozenset(expert_inputs)
         self.bw_pass = bw_pass
-        self.keep_graph = keep_graph  # in the cache key: a cached graph with donated buffers cannot run twice
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
 
@@ -73,18 +66,16 @@ class SonarPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         knobs = f"{sorted(self.expert_inputs)}|{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
-        knobs += "|keep_graph" if self.keep_graph else ""
         return get_hash_for_files(_SOURCES, knobs).hex()
 
 
 @functools.cache
 def sonar_backend(
-    compiler: BackendCompiler = "inductor", *, fallback: bool = True, keep_graph: bool = False
+    compiler: BackendCompiler = "inductor", *, fallback: bool = True
 ) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
     """The dynamo backend for `compiler`. One object per setting, so every model compiled with the same
-    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time).
-    `keep_graph=True` compiles backwards that may run twice on one forward (expert_clip="global")."""
-    return make_sonar_backend(compiler, fallback=fallback, keep_graph=keep_graph)
+    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time)."""
+    return make_sonar_backend(compiler, fallback=fallback)
 
 
 def make_sonar_backend(
@@ -92,22 +83,18 @@ def make_sonar_backend(
     *,
     fallback: bool = True,
     bw_pass: BackwardPass = expert_update_pass,
-    keep_graph: bool = False,
 ) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
-    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks).
-    `keep_graph=True`: no donated buffers, whose backward may overwrite saved tensors (and refuses
-    `retain_graph=True`), so the backward can run twice on one forward."""
+    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
     def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         owners = {i: o for i, x in enumerate(example_inputs) if (o := _owner(x)) is not None}
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
-        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, keep_graph=keep_graph)
+        partitioner = SonarPartitioner(owners, bw_pass=bw_pass)
         cache_hits = _aot_cache_hits()
         try:
-            with torch._functorch.config.patch(donated_buffer=not keep_graph):
-                compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
+            compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
         except Exception as err:
             if not fallback or optimizer is None:
                 raise

@@ -32,10 +32,7 @@ class CompiledForward:
         self.fallback = fallback
         self.torch_compile_kwargs = torch_compile_kwargs
         self.eager_forward: Callable[..., Any] = type(module).forward
-        optimizer = self._optimizer()
-        # Two backward passes on one forward (expert_clip="global") need a graph that keeps its buffers.
-        keep_graph = optimizer is not None and optimizer.cfg.expert_clip == "global"
-        backend = sonar_backend(compiler, fallback=fallback, keep_graph=keep_graph)
+        backend = sonar_backend(compiler, fallback=fallback)
         self.compiled = torch.compile(self.eager_forward, backend=backend, **torch_compile_kwargs)
         self.failed = False
         self.__signature__ = inspect.signature(self.eager_forward.__get__(module))

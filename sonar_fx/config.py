@@ -42,7 +42,8 @@ class _OptimizerConfig:
     """How expert gradients are clipped to `max_grad_norm`: None (the paper: not at all; the dense
     clip covers dense gradients only), "per_tensor" (each batched expert gradient by its own norm,
     inside its update) or "global" (one norm over dense AND expert gradients, exactly as standard
-    training clips; costs a second backward pass: `SonarOptimizer.backward(loss)` runs both)."""
+    training clips; costs a second forward and backward: `SonarOptimizer.backward(closure)` runs
+    both)."""
 
     def __post_init__(self) -> None:
         self._check(self.lr >= 0 and math.isfinite(self.lr), "lr", self.lr, "a finite number >= 0")

@@ -93,11 +93,11 @@ class TrainingMethod:
         return self.execution.compiler
 
     def forward_backward(self, batch: Mapping[str, Tensor]) -> Tensor:
-        loss = self.model(**batch).loss
         if isinstance(self.optimizer, SonarOptimizer):
-            self.optimizer.backward(loss)  # two passes under expert_clip="global"
-        else:
-            loss.backward()
+            # Two forward/backward passes under expert_clip="global" (see SonarOptimizer.backward).
+            return self.optimizer.backward(lambda: self.model(**batch).loss)
+        loss = self.model(**batch).loss
+        loss.backward()
         return loss.detach()
 
     def optimizer_step(self) -> None:
@@ -149,12 +149,6 @@ def build_method(
     if name.startswith("sonar"):
         granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
         if execution.compiled and not execution.sonar_pass:
-            if cfg.expert_clip == "global":
-                raise ConfigFieldError(
-                    "expert_clip='global' runs backward twice on one forward, which the compiled backward of "
-                    "plain torch.compile (hooks on a compiled model) does not allow: use the graph pass.",
-                    field="expert_clip",
-                )
             optimizer = api.prepare(model, cfg, experts=experts, granularity=granularity, **sonar_kwargs)
             run = _compiled(model, execution.compiler)
         else:

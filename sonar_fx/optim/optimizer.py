@@ -4,8 +4,8 @@ Two param groups, so any LR scheduler drives both: "dense" (end-of-step fused up
 the global norm of the dense gradients) and "experts" (updated one batched tensor at a time by
 `update_expert_`, called from a hook or from the compiled graph, as soon as its gradient is ready).
 The arithmetic is an update rule chosen from the config type (AdamW, Adam, SGD, Lion; see `rules`),
-the clipping and gradient norms are `norms`'; `backward(loss)` runs the two passes that exact global
-clipping of expert gradients needs (expert_clip="global").
+the clipping and gradient norms are `norms`'; `backward(closure)` runs the two passes that exact
+global clipping of expert gradients needs (expert_clip="global").
 The optimizer binds its expert tensors to itself in the runtime registry (weakly), so whatever runs
 in backward finds it from the tensor at hand; a deep copy or an unpickled optimizer binds its own
 tensors. It never decides where updates run; the eager hooks and the graph pass do.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -174,8 +174,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.clipper.backward_pass is None:
             raise SonarUsageError(
                 f"{name}: expert_clip='global' clips by the norm of ALL gradients, known only after a "
-                "first backward pass: call optimizer.backward(loss) (it runs both passes) instead of "
-                "loss.backward()."
+                "first backward pass: call optimizer.backward(lambda: model(**batch).loss) (it runs both "
+                "passes) instead of loss.backward()."
             )
         if self.clipper.backward_pass == "update":
             return False
@@ -276,43 +276,51 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.rule.update_(params, grads, states, group)
         self._end_step()
 
-    def backward(self, loss: Tensor) -> None:
-        """`loss.backward()`, or under expert_clip="global" the two passes exact global clipping needs.
+    def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
+        """Backward for this optimizer's step; returns the loss. `loss` is the loss, or a closure that
+        computes it (a forward), which expert_clip="global" needs.
 
-        Pass 1 (the graph is kept) computes every gradient: dense ones stay in `.grad`, each expert
-        gradient leaves only its norm and is freed at once, so expert gradients are never all alive.
-        The global norm (dense + experts, summed in parameter order as `clip_grad_norm_` sums it)
-        gives the clip coefficient. Pass 2 recomputes the expert gradients only, clips each by that
-        coefficient and updates it. Costs about one more backward; saves the expert gradients' memory.
+        Under expert_clip="global" the step runs forward and backward twice, exactly. Pass 1 computes
+        every gradient: dense ones stay in `.grad`, each expert gradient leaves only its norm and is
+        freed at once, so expert gradients are never all alive. The global norm (dense + experts,
+        summed in parameter order as `clip_grad_norm_` sums it) gives the clip coefficient. Pass 2
+        runs the forward again from the same RNG state and a backward that computes expert gradients
+        only (`inputs=`), clipping and updating each. Costs one more forward and backward; the graph
+        of pass 1 is not kept (that would hold every activation through both passes, and a compiled
+        backward may reuse its saved buffers, which is why torch refuses retain_graph for it).
         """
         if self.cfg.expert_clip != "global":
-            loss.backward()
-            return
+            out = loss() if callable(loss) else loss
+            out.backward()
+            return out.detach()
+        if not callable(loss):
+            raise SonarUsageError(
+                "expert_clip='global' runs the forward twice (the global norm is known only after a first "
+                "backward): pass the forward as a closure, optimizer.backward(lambda: model(**batch).loss)."
+            )
         if self.clipper.backward_pass is not None or self.clipper.current.experts:
             raise SonarUsageError(
-                "optimizer.backward(loss) was called twice before step(): expert_clip='global' applies the "
+                "optimizer.backward() was called twice before step(): expert_clip='global' applies the "
                 "update of a step once; call step() (or abandon_step()) after each backward."
             )
+        rng = _rng_state()
         self.clipper.backward_pass = "norm"
-        params = list(self.expert_group["params"])
-        versions = [p._version for p in params]
         try:
-            loss.backward(retain_graph=True)
+            first = loss()
+            first.backward()
         except BaseException:
             self.clipper.abandon()
             raise
-        # The in-graph update op is declared as mutating the expert weights, so running it bumped their
-        # version counters (views share them) although the norm pass wrote nothing; pass 2 replays the
-        # same graph, whose saved weights autograd checks against the versions they were saved at.
-        torch._C._autograd._unsafe_set_version_counter(tuple(params), tuple(versions))
         experts = self._global_norm()
         if experts is None:  # non-finite under nonfinite="skip": the step is skipped
-            return
+            return first.detach()
+        _set_rng_state(rng)  # pass 2 draws what pass 1 drew (dropout): the same forward, bit for bit
         self.clipper.backward_pass = "update"
         try:
-            torch.autograd.backward(loss, inputs=experts)
+            torch.autograd.backward(loss(), inputs=experts)
         finally:
             self.clipper.backward_pass = None
+        return first.detach()
 
     @torch.no_grad()
     def _global_norm(self) -> list[Tensor] | None:
@@ -498,6 +506,17 @@ def _refuse_unsupported(cfg: OptimizerConfig, expert_rule: str, granularity: str
             "granularity='per_expert' with low-bit states: torchao quantizes a whole tensor in blocks, not "
             "one expert slice at a time. Use granularity='batched' or state_bits=32."
         )
+
+
+def _rng_state() -> tuple[Tensor, list[Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def _release(handles: list[Any]) -> None:
