@@ -222,19 +222,14 @@ def test_cli_bad_optimizer_flags_exit_2_naming_the_flag(tmp_path, capsys, flags,
 
 
 @pytest.mark.slow
-def test_inductor_sgd_with_global_clip_equals_compiled_standard():
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+def test_inductor_sgd_with_global_clip_equals_compiled_standard(deterministic):
+    cfg = sonar_fx.SGDConfig(lr=5e-2, momentum=0.9, nesterov=True, max_grad_norm=0.5, expert_clip="global")
     try:
-        cfg = sonar_fx.SGDConfig(
-            lr=5e-2, momentum=0.9, nesterov=True, max_grad_norm=0.5, expert_clip="global"
-        )
         torch._dynamo.reset()
         twin, _ = _train("standard", cfg, compiler="inductor")
         torch._dynamo.reset()
         model, method = _train("sonar", cfg, compiler="inductor")
     finally:
-        torch.use_deterministic_algorithms(deterministic)
         torch._dynamo.reset()
     assert_same_weights(model, twin)
     report = method.optimizer.report()
