@@ -5,6 +5,7 @@ twin run captured, torchao's low-bit AdamW applied inside the update against tor
 applied at the end of the step. Negative controls show each check can fail.
 """
 
+import copy
 import io
 import json
 
@@ -74,6 +75,20 @@ def test_global_clip_refuses_a_plain_backward_before_updating_anything():
     with pytest.raises(sonar_fx.SonarUsageError, match=r"optimizer.backward\(lambda"):
         model(**batches(1)[0]).loss.backward()
     assert all(torch.equal(p, q) for p, q in zip(opt.expert_group["params"], before, strict=True))
+
+
+def test_deep_copy_with_global_clip_trains_its_own_tensors_exactly(twins):
+    original = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    sonar_fx.compile(original, CLIPS["global"], compiler="eager")
+    model = copy.deepcopy(original)
+    opt = model.sonar
+    assert opt is not original.sonar
+    for b in batches(3):
+        opt.backward(lambda b=b: model(**b).loss)
+        opt.step()
+        opt.zero_grad()
+    assert_same_weights(model, twins["global"])
+    assert not weights_differ(original, build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0))
 
 
 def test_global_clip_never_holds_more_than_one_expert_gradient():

@@ -78,7 +78,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         defaults = self.rule.defaults(cfg)
         experts = [t.param for layer in expert_layers for t in layer.tensors]
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
-        self._norm_order = {id(p): i for i, p in enumerate(order)}
+        rank = {id(p): i for i, p in enumerate(order)}
+        # Position in model order of each param, in param-group order: plain ints, so copies keep it.
+        self._norm_rank = [rank[id(p)] for p in [*dense_params, *experts]]
         super().__init__(
             [dict(params=list(dense_params), name="dense"), dict(params=experts, name="experts")], defaults
         )
@@ -105,9 +107,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         keep = (
             "cfg",
-            "rule",
-            "expert_rule",
-            "_norm_order",
+            "_norm_rank",
             "granularity",
             "accumulation",
             "nonfinite",
@@ -121,6 +121,7 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.rule, self.expert_rule = rule_for(self.cfg), rule_for(self.cfg, experts=True)
         self._bind()  # a deep copy binds the copied tensors (its model's, when the model was copied)
 
     # ------------------------------------------------------------------------------------ updates
@@ -333,7 +334,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         names = {name: pid for pid, name in self._names.items()}
         experts = [p for p in self.expert_group["params"] if self._names[id(p)] in norms.experts]
         by_param.update({names[n]: norm for n, norm in norms.experts.items()})
-        ordered = [by_param[pid] for pid in sorted(by_param, key=self._norm_order.__getitem__)]
+        flat = [*self.dense_group["params"], *self.expert_group["params"]]
+        rank = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
+        ordered = [by_param[pid] for pid in sorted(by_param, key=rank.__getitem__)]
         norms.total = total_norm(ordered)
         norms.dense = total_norm(list(dense_norms)) if dense_norms else None
         assert self.cfg.max_grad_norm is not None  # the config refuses "global" without a threshold
