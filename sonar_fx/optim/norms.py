@@ -95,16 +95,24 @@ class ExpertClipper:
     """Take each expert gradient's norm when no clipping needs it (False: an ablation that measures
     what logging the norms costs; clipping modes always take them)."""
 
-    def clip(self, name: str, grad: Tensor, owned: bool) -> Tensor:
-        """Record `grad`'s norm; return it clipped as the mode says (a new tensor unless `owned`)."""
+    def norm_of(self, name: str, grad: Tensor) -> Tensor | None:
+        """`grad`'s norm, taken now and recorded (the global mode's update pass: the one its norm pass
+        recorded from the same gradient); None when nothing needs it (norms off, no clipping)."""
         if self.backward_pass == "update":
-            # The norm was recorded by the norm pass, from the same gradient.
+            return self.current.experts[name]
+        if self.mode is None and not self.track_norms:
+            return None
+        norm = self.current.experts[name] = tensor_norm(grad)
+        return norm
+
+    def clip(self, name: str, grad: Tensor, owned: bool) -> Tensor:
+        """`grad` clipped as the mode says, by the norm `norm_of` recorded (a new tensor unless
+        `owned`)."""
+        if self.backward_pass == "update":
             assert self.coef is not None
             return scaled(grad, owned, self.coef)
-        if self.mode is None and not self.track_norms:
-            return grad
-        norm = self.current.experts[name] = tensor_norm(grad)
-        if self.mode == "per_tensor" and self.max_norm is not None:
+        norm = self.current.experts.get(name)
+        if self.mode == "per_tensor" and self.max_norm is not None and norm is not None:
             # clip_grad_norm_([p]): the "global" norm of one tensor is the norm of its norm.
             return scaled(grad, owned, clip_coefficient(total_norm([norm]), self.max_norm))
         return grad

@@ -153,9 +153,11 @@ class SonarOptimizer(torch.optim.Optimizer):
             return
         if self.tracker.before_update(name):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
-        found_inf = self._nonfinite_flag(name, grad)
         g = grad_like_param(param, grad)
-        g = self.clipper.clip(name, g, owned=g is not grad)
+        norm = self.clipper.norm_of(name, g)
+        found_inf = self._nonfinite_flag(name, grad, norm)
+        # A hook's gradient is param.grad, freed right after: ours to scale in place, as is a copy.
+        g = self.clipper.clip(name, g, owned=g is not grad or path == "hook")
         group, state = self.expert_group, self._state(param, expert=name)
         if self.granularity == "batched":
             self.expert_rule.update_([param], [g], [state], group, found_inf=found_inf)
@@ -218,13 +220,17 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "the first step, or load a checkpoint into a model already on its final device and dtype."
             )
 
-    def _nonfinite_flag(self, name: str, grad: Tensor) -> Tensor | None:
+    def _nonfinite_flag(self, name: str, grad: Tensor, norm: Tensor | None) -> Tensor | None:
         """The kernel's skip flag (device-side, no sync): a non-finite gradient leaves its tensor
-        untouched under "raise" and "skip"; which ones were non-finite is read once per backward."""
+        untouched under "raise" and "skip"; which ones were non-finite is read once per backward.
+        With the gradient's norm at hand it decides (an inf or NaN makes the norm non-finite), so the
+        logged norm costs no extra pass over the gradient; a finite gradient whose norm overflows
+        (entries near 1e19 in fp32) counts as non-finite too."""
         if self.nonfinite == "ignore":
             return None
-        flag = self._skip_flags[name] = nonfinite_flag(grad)
-        return flag
+        bad = (~torch.isfinite(norm)).to(torch.float32) if norm is not None else nonfinite_flag(grad)
+        self._skip_flags[name] = bad
+        return bad
 
     def _backward_finished(self) -> None:
         """Autograd runs this when a backward that updated experts ends (never when it raised)."""
