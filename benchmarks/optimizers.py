@@ -27,6 +27,7 @@ from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.lowbit import is_lowbit
+from sonar_fx.optim.adamw import nonfinite_flag
 from sonar_fx.optim.norms import tensor_norm
 from sonar_fx.optim.optimizer import SonarOptimizer
 
@@ -190,16 +191,16 @@ def lowbit_table(run: Config) -> tuple[Table, list[Arm]] | None:
                  "state vs 32-bit"], rows=rows, note=note), arms  # fmt: skip
 
 
-def norm_seconds(arm: Arm, repeats: int = 20) -> float:
-    """Median seconds of the logged norms of one step: `tensor_norm` of every expert gradient (random
-    values of each expert tensor's shape), the exact calls the updates make."""
+def per_step_seconds(arm: Arm, fn: Callable[[torch.Tensor], torch.Tensor], repeats: int = 20) -> float:
+    """Median seconds of `fn` over every expert gradient of one step (random values of each expert
+    tensor's shape): the calls an update makes once per expert tensor."""
     assert isinstance(arm.method, TrainingMethod) and isinstance(arm.method.optimizer, SonarOptimizer)
     grads = [torch.randn_like(p) for p in arm.method.optimizer.expert_group["params"]]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for g in grads:
-            float(tensor_norm(g))
+            float(fn(g))
         times.append(time.perf_counter() - t0)
     return Spread.of(times).median
 
@@ -208,13 +209,18 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     by = {a.label: a for a in clip_arms}
     on, off = by["sonar expert_clip=None"], by["sonar expert_clip=None, norms off"]
     # The end-to-end ratio is within the noise of a shared CPU: the norms' own time is the measure.
-    cost = norm_seconds(on) / Spread.of(on.times).median
+    # With nonfinite="raise"/"skip" the norm also makes the non-finite check, replacing its own pass
+    # (`nonfinite_flag`), so the net cost is the difference.
+    step = Spread.of(on.times).median
+    gross = per_step_seconds(on, tensor_norm) / step
+    net = gross - per_step_seconds(on, nonfinite_flag) / step
     end_to_end = paired_ratio(on.times, off.times)
     glob, std = by["sonar expert_clip=global"], by["standard (global clip)"]
     out = [
         Goal(name="logged norms cost", target="< 2% of step time",
-             measured=f"{cost * 100:.2f}% (norm calls / step; on/off step ratio {fmt_ratio(end_to_end)})",
-             met=cost < 0.02),
+             measured=f"net {net * 100:.2f}% (norm calls {gross * 100:.2f}% minus the non-finite pass they "
+             f"replace; on/off step ratio {fmt_ratio(end_to_end)})",
+             met=net < 0.02),
         Goal(name="global clip memory", target="below standard (global clip)",
              measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),
     ]  # fmt: skip
