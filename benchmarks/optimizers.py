@@ -26,8 +26,8 @@ from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig
 from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
-from sonar_fx.optim.lowbit import is_lowbit
 from sonar_fx.optim.adamw import nonfinite_flag
+from sonar_fx.optim.lowbit import is_lowbit
 from sonar_fx.optim.norms import tensor_norm
 from sonar_fx.optim.optimizer import SonarOptimizer
 
