@@ -1,19 +1,23 @@
 """sonar-fx: in-backward expert updates for memory-efficient MoE training, as a torch.compile pass."""
 
 from sonar_fx.api import compile, prepare
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
 from sonar_fx.experts.discovery import ExpertLayer, ExpertTensor, NoExpertsFoundError, discover_experts
 from sonar_fx.optim.errors import InterruptedStepError, NonFiniteGradientError, SonarUsageError
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime.registry import UnboundExpertError
 
 __all__ = [
+    "AdamConfig",
     "AdamWConfig",
     "ExpertLayer",
     "ExpertTensor",
     "InterruptedStepError",
+    "LionConfig",
     "NoExpertsFoundError",
     "NonFiniteGradientError",
+    "OptimizerConfig",
+    "SGDConfig",
     "SonarOptimizer",
     "SonarUsageError",
     "UnboundExpertError",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from sonar_fx.compiled import compile_forward_, repeated_blocks
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import OPTIMIZER_CONFIGS, OptimizerConfig
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
 
@@ -26,7 +26,7 @@ COMPILERS = ("inductor", "aot_eager", "eager")
 
 def prepare(
     model: nn.Module,
-    opt_cfg: AdamWConfig,
+    opt_cfg: OptimizerConfig,
     *,
     experts: Iterable[nn.Parameter | str] | None = None,
     granularity: Granularity = "batched",
@@ -39,11 +39,12 @@ def prepare(
     untouched and the error names it), "skip" (the step is skipped and counted) or "ignore".
     `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
     the dense parameters ("dense": clipped, updated at `step()`)."""
-    if not isinstance(opt_cfg, AdamWConfig):
+    if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
-            f"opt_cfg must be sonar_fx.AdamWConfig, got {type(opt_cfg).__name__}. Sonar updates each expert "
-            "tensor alone during backward, which is exact only for an element-wise optimizer (AdamW): build "
-            "one with sonar_fx.AdamWConfig(lr=..., betas=..., weight_decay=..., max_grad_norm=...)."
+            f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig or LionConfig, got "
+            f"{type(opt_cfg).__name__}. Sonar updates each expert tensor alone during backward, which is "
+            "exact only for an element-wise optimizer: build one, e.g. sonar_fx.AdamWConfig(lr=..., "
+            "betas=..., weight_decay=..., max_grad_norm=...)."
         )
     if getattr(model, "sonar", None) is not None:
         raise SonarUsageError(
@@ -59,10 +60,11 @@ def prepare(
     _refuse_gradient_reducing_wrappers(model, layers)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
-    dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in expert_ids]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    dense = [(n, p) for n, p in trainable if id(p) not in expert_ids]
     optimizer = SonarOptimizer(
         [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
-        nonfinite=nonfinite, dense_names=[n for n, _ in dense],
+        nonfinite=nonfinite, dense_names=[n for n, _ in dense], param_order=[p for _, p in trainable],
     )  # fmt: skip
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
@@ -78,7 +80,7 @@ def sonar_of(model: nn.Module) -> SonarOptimizer:
 
 def compile(
     model: nn.Module,
-    opt_cfg: AdamWConfig,
+    opt_cfg: OptimizerConfig,
     *,
     compiler: Compiler = "inductor",
     experts: Iterable[nn.Parameter | str] | None = None,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sonar_fx.api import COMPILERS
-from sonar_fx.config import ConfigFieldError
+from sonar_fx.config import OPTIMIZER_CONFIGS, STATE_BITS, ConfigFieldError
 from sonar_fx.data import DataError
 from sonar_fx.experts.report import add_inspect_flags, inspect_command
 from sonar_fx.methods import METHODS, Execution
@@ -114,10 +114,20 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     )
     add("--warmup", type=int, default=None, help="linear warm-up steps (default: 3%% of the steps)")
     add("--min-lr", type=float, default=d.min_lr, help="LR at the end of the cosine decay")
-    add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"))
-    add("--eps", type=float, default=d.eps)
+    add("--optimizer", choices=tuple(OPTIMIZER_CONFIGS), default=d.optimizer,
+        help="optimizer of dense and expert tensors (adam: L2 decay; sgd: --momentum)")  # fmt: skip
+    add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"), help="adamw, adam, lion")
+    add("--eps", type=float, default=d.eps, help="adamw, adam")
     add("--weight-decay", type=float, default=d.weight_decay)
+    add("--momentum", type=float, default=d.momentum, help="sgd")
+    add("--dampening", type=float, default=d.dampening, help="sgd")
+    add("--nesterov", action="store_true", help="sgd: Nesterov momentum")
     add("--max-grad-norm", type=_optional_float, default=d.max_grad_norm, help="'none': no clip")
+    add("--expert-clip", type=_expert_clip, default=d.expert_clip, metavar="{none,per_tensor,global}",
+        help="clip expert gradients to --max-grad-norm: not at all (none, the paper), each tensor by its "
+        "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
+    add("--state-bits", type=int, choices=STATE_BITS, default=d.state_bits,
+        help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--nonfinite", choices=("raise", "skip", "ignore"), default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     _add_run_flags(p, d)
@@ -226,6 +236,13 @@ def _optional_float(text: str) -> float | None:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _expert_clip(text: str) -> str | None:
+    choices = ("none", "per_tensor", "global")
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+    return None if text == "none" else text
 
 
 def _override(item: str) -> tuple[str, Any]:

@@ -1,13 +1,22 @@
-"""Optimizer configuration shared by every training method.
+"""Optimizer configuration shared by every training method: which element-wise optimizer, its
+hyper-parameters, how gradients are clipped and how expert optimizer states are stored.
 
-A frozen, keyword-only dataclass: the one place where hyper-parameters are validated. It never holds
-tensors or model state.
+Frozen, keyword-only dataclasses: the one place where hyper-parameters are validated. Sonar's argument
+holds for any optimizer whose update of a tensor needs only that tensor's gradient, so each config
+here names one: `AdamWConfig` (the paper's), `AdamConfig` (L2 decay), `SGDConfig`, `LionConfig`.
+They never hold tensors or model state.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+ExpertClip = Literal["per_tensor", "global"] | None
+EXPERT_CLIPS: tuple[ExpertClip, ...] = (None, "per_tensor", "global")
+StateBits = Literal[32, 8, 4]
+STATE_BITS: tuple[int, ...] = (32, 8, 4)
 
 
 class ConfigFieldError(ValueError):
@@ -19,40 +28,139 @@ class ConfigFieldError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdamWConfig:
-    """AdamW hyper-parameters for dense and expert tensors alike."""
+class _OptimizerConfig:
+    """Fields every optimizer shares: LR, weight decay and clipping."""
 
     lr: float = 2e-5
     """Peak learning rate; an LR scheduler on `SonarOptimizer` scales both groups from it."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Exponential decay rates of the first and second moments, each in [0, 1)."""
-    eps: float = 1e-8
-    """Denominator term, > 0."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW), >= 0."""
+    """Weight decay, >= 0 (decoupled for AdamW and Lion, added to the gradient for Adam and SGD)."""
     max_grad_norm: float | None = 1.0
-    """Global-norm clip of the DENSE gradients at `step()`; None or inf turns clipping off."""
+    """Global-norm clip of the DENSE gradients at `step()` (and the threshold of `expert_clip`); None or
+    inf turns clipping off."""
+    expert_clip: ExpertClip = None
+    """How expert gradients are clipped to `max_grad_norm`: None (the paper: not at all; the dense
+    clip covers dense gradients only), "per_tensor" (each batched expert gradient by its own norm,
+    inside its update) or "global" (one norm over dense AND expert gradients, exactly as standard
+    training clips; costs a second forward and backward: `SonarOptimizer.backward(closure)` runs
+    both)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr >= 0 and math.isfinite(self.lr), "lr", self.lr, "a finite number >= 0")
-        betas = tuple(self.betas)
-        _check(len(betas) == 2, "betas", self.betas, "a pair (beta1, beta2)")
-        for i, b in enumerate(betas):
-            _check(0.0 <= b < 1.0, f"betas[{i}]", b, "in [0, 1)")
-        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
-        _check(self.eps > 0 and math.isfinite(self.eps), "eps", self.eps, "a finite number > 0")
-        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        self._check(self.lr >= 0 and math.isfinite(self.lr), "lr", self.lr, "a finite number >= 0")
+        self._check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         if self.max_grad_norm is not None:
-            _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "> 0, or None for no clip")
+            self._check(
+                self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "> 0, or None for no clip"
+            )
+        self._check(
+            self.expert_clip in EXPERT_CLIPS,
+            "expert_clip",
+            self.expert_clip,
+            "None, 'per_tensor' or 'global'",
+        )
+        self._check(
+            self.expert_clip is None or self.clips,
+            "expert_clip",
+            self.expert_clip,
+            "None when max_grad_norm is None (there is no threshold to clip expert gradients to)",
+        )
 
     @property
     def clips(self) -> bool:
         """Whether `step()` clips the dense gradients."""
         return self.max_grad_norm is not None and math.isfinite(self.max_grad_norm)
 
+    @property
+    def name(self) -> str:
+        """The optimizer's name as the command line spells it (`--optimizer`)."""
+        return type(self).__name__.removesuffix("Config").lower()
 
-def _check(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ConfigFieldError(
-            f"AdamWConfig.{field}={value!r} is invalid: expected {expected}.", field=field.split("[")[0]
+    def _check(self, ok: bool, field: str, value: object, expected: str) -> None:
+        if not ok:
+            raise ConfigFieldError(
+                f"{type(self).__name__}.{field}={value!r} is invalid: expected {expected}.",
+                field=field.split("[")[0],
+            )
+
+    def _check_betas(self, betas: tuple[float, float]) -> None:
+        values = tuple(betas)
+        self._check(len(values) == 2, "betas", betas, "a pair (beta1, beta2)")
+        for i, b in enumerate(values):
+            self._check(0.0 <= b < 1.0, f"betas[{i}]", b, "in [0, 1)")
+        object.__setattr__(self, "betas", (float(values[0]), float(values[1])))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _AdamFamilyConfig(_OptimizerConfig):
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Exponential decay rates of the first and second moments, each in [0, 1)."""
+    eps: float = 1e-8
+    """Denominator term, > 0."""
+    state_bits: StateBits = 32
+    """Bits per element of the EXPERT tensors' moments: 32 (the param's dtype, torch's fused kernel)
+    or 8 / 4 (torchao's block-quantized states, `pip install torchao`); dense tensors keep full
+    states."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_betas(self.betas)
+        self._check(self.eps > 0 and math.isfinite(self.eps), "eps", self.eps, "a finite number > 0")
+        self._check(self.state_bits in STATE_BITS, "state_bits", self.state_bits, "32, 8 or 4")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamWConfig(_AdamFamilyConfig):
+    """AdamW (decoupled weight decay), the paper's optimizer, for dense and expert tensors alike."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamConfig(_AdamFamilyConfig):
+    """Adam with L2 weight decay (`weight_decay * param` is added to the gradient), as torch.optim.Adam."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGDConfig(_OptimizerConfig):
+    """SGD with momentum, dampening, Nesterov momentum and L2 weight decay, as torch.optim.SGD."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    """Momentum factor, >= 0 (0: plain SGD, no momentum buffer)."""
+    dampening: float = 0.0
+    """Dampening of the momentum, in [0, 1]."""
+    nesterov: bool = False
+    """Nesterov momentum (needs momentum > 0 and dampening 0)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check(self.momentum >= 0 and math.isfinite(self.momentum), "momentum", self.momentum, ">= 0")
+        self._check(0.0 <= self.dampening <= 1.0, "dampening", self.dampening, "in [0, 1]")
+        self._check(
+            not self.nesterov or (self.momentum > 0 and self.dampening == 0),
+            "nesterov",
+            self.nesterov,
+            "False unless momentum > 0 and dampening == 0",
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LionConfig(_OptimizerConfig):
+    """Lion (sign of an interpolated momentum; decoupled weight decay), Chen et al. 2023."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.99)
+    """beta1 interpolates the update direction, beta2 the momentum; each in [0, 1)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_betas(self.betas)
+
+
+OptimizerConfig: TypeAlias = AdamWConfig | AdamConfig | SGDConfig | LionConfig
+"""Any optimizer configuration Sonar accepts."""
+OPTIMIZER_CONFIGS: dict[str, type[OptimizerConfig]] = {
+    "adamw": AdamWConfig,
+    "adam": AdamConfig,
+    "sgd": SGDConfig,
+    "lion": LionConfig,
+}
+"""`--optimizer` name -> config class."""

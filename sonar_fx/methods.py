@@ -2,10 +2,14 @@
 
 One `TrainingMethod.train_step(batch)` runs any of them, so tests, benchmarks and the CLI compare
 like with like:
-- standard: all gradients kept, global-norm clip of ALL gradients, one fused AdamW at step();
-- standard_no_expert_clip: the same, clipping only the dense gradients (Sonar's exact twin);
+- standard: all gradients kept, global-norm clip of ALL gradients, one fused optimizer at step()
+  (the exact twin of sonar with expert_clip="global");
+- standard_no_expert_clip: the same, clipping only the dense gradients (the exact twin of sonar with
+  expert_clip=None), and each expert gradient by its own norm under expert_clip="per_tensor";
 - oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
 - sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
+The optimizer is the config's (AdamW, Adam, SGD, Lion): baselines use torch's fused optimizer for it
+(`UpdateRule.torch_optimizer`; Lion: the reference `LionRef`; low-bit expert states: torchao's).
 How a method runs is one `Execution`: compiler "eager", or "aot_eager" / "inductor" through
 torch.compile; for sonar under a compiler, `sonar_pass=False` keeps the hooks on the compiled model
 instead of the graph pass. Never: change a method's arithmetic with the execution mode.
@@ -21,9 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx import api
-from sonar_fx.config import AdamWConfig, ConfigFieldError
+from sonar_fx.config import ConfigFieldError, OptimizerConfig
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, discover_experts
-from sonar_fx.optim.optimizer import Granularity
+from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
+from sonar_fx.optim.rules import rule_for
 
 METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar", "sonar_per_expert")
 
@@ -74,6 +79,10 @@ class TrainingMethod:
     """Parameters whose gradients `optimizer_step` clips by global norm (empty: no clipping)."""
     max_grad_norm: float | None = None
     hook_optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
+    per_tensor_clip: list[nn.Parameter] = field(default_factory=list)
+    """Parameters whose gradients `optimizer_step` clips each by its own norm (after `clip_params`)."""
+    expert_optimizer: torch.optim.Optimizer | None = None
+    """A second end-of-step optimizer for the expert tensors (low-bit states: torchao's)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.execution, str):  # a compiler name, as callers built it before `Execution`
@@ -84,6 +93,9 @@ class TrainingMethod:
         return self.execution.compiler
 
     def forward_backward(self, batch: Mapping[str, Tensor]) -> Tensor:
+        if isinstance(self.optimizer, SonarOptimizer):
+            # Two forward/backward passes under expert_clip="global" (see SonarOptimizer.backward).
+            return self.optimizer.backward(lambda: self.model(**batch).loss)
         loss = self.model(**batch).loss
         loss.backward()
         return loss.detach()
@@ -93,8 +105,12 @@ class TrainingMethod:
             return
         if self.clip_params and self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.clip_params, self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.per_tensor_clip:
+            if p.grad is not None and self.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, batch: Mapping[str, Tensor]) -> Tensor:
         loss = self.forward_backward(batch)
@@ -106,14 +122,14 @@ class TrainingMethod:
         """Every optimizer that holds state: the one optimizer, or oib_all's per-parameter optimizers
         in parameter order. LR schedulers drive each of them and checkpoints save each of them."""
         if self.optimizer is not None:
-            return [self.optimizer]
+            return [self.optimizer] + ([self.expert_optimizer] if self.expert_optimizer is not None else [])
         return list(self.hook_optimizers.values())
 
 
 def build_method(
     name: str,
     model: nn.Module,
-    cfg: AdamWConfig,
+    cfg: OptimizerConfig,
     *,
     execution: Execution | None = None,
     compiler: str | None = None,
@@ -129,6 +145,7 @@ def build_method(
     if name not in METHODS:
         raise ValueError(f"Unknown method {name!r}: expected one of {', '.join(METHODS)}.")
     execution = _execution(execution, compiler, sonar_pass)
+    check_clip(name, cfg)
     if name.startswith("sonar"):
         granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
         if execution.compiled and not execution.sonar_pass:
@@ -145,15 +162,41 @@ def build_method(
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "oib_all":
         return TrainingMethod(name, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
-    adamw = _adamw(params, cfg)
-    if name == "standard":
-        clip = params
-    else:
-        biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
-        layers = discover_experts(model, experts, expert_biases=biases)
-        expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
-        clip = [p for p in params if id(p) not in expert_ids]
-    return TrainingMethod(name, execution, run, adamw, clip if cfg.clips else [], cfg.max_grad_norm)
+    biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
+    layers = discover_experts(model, experts, expert_biases=biases)
+    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
+    dense = [p for p in params if id(p) not in expert_ids]
+    expert_params = [p for p in params if id(p) in expert_ids]
+    split = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
+    baseline = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
+    expert_optimizer = rule_for(cfg, experts=True).torch_optimizer(expert_params, cfg) if split else None
+    clip = params if name == "standard" else dense
+    per_tensor = expert_params if cfg.expert_clip == "per_tensor" and cfg.clips else []
+    return TrainingMethod(
+        name, execution, run, baseline, clip if cfg.clips else [], cfg.max_grad_norm,
+        per_tensor_clip=per_tensor, expert_optimizer=expert_optimizer,
+    )  # fmt: skip
+
+
+def twin_method(cfg: OptimizerConfig) -> str:
+    """The end-of-step baseline that Sonar with `cfg` equals bitwise (see the module docstring)."""
+    return "standard" if cfg.expert_clip == "global" else "standard_no_expert_clip"
+
+
+def check_clip(name: str, cfg: OptimizerConfig) -> None:
+    """A baseline clips as its name says; an `expert_clip` it cannot honour is refused, not ignored."""
+    allowed = {
+        "standard": (None, "global"),
+        "standard_no_expert_clip": (None, "per_tensor"),
+        "oib_all": (None,),
+    }.get(name)
+    if allowed is not None and cfg.expert_clip not in allowed:
+        raise ConfigFieldError(
+            f"method {name!r} cannot clip expert gradients {cfg.expert_clip!r}: standard clips all gradients "
+            "together (expert_clip None or 'global'), standard_no_expert_clip the dense ones (plus each "
+            "expert tensor alone with 'per_tensor'), oib_all none. Pick the matching method or expert_clip.",
+            field="expert_clip",
+        )
 
 
 def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bool | None) -> Execution:
@@ -165,18 +208,13 @@ def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bo
     return Execution(compiler=chosen, sonar_pass=True if sonar_pass is None else sonar_pass)
 
 
-def _adamw(params: list[nn.Parameter], cfg: AdamWConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
-    )
-
-
 def _compiled(model: nn.Module, compiler: str) -> Callable[..., Any]:
     return torch.compile(model, backend=compiler)
 
 
-def _hook_every_param(params: list[nn.Parameter], cfg: AdamWConfig) -> dict[int, torch.optim.Optimizer]:
-    optimizers: dict[int, torch.optim.Optimizer] = {id(p): _adamw([p], cfg) for p in params}
+def _hook_every_param(params: list[nn.Parameter], cfg: OptimizerConfig) -> dict[int, torch.optim.Optimizer]:
+    rule = rule_for(cfg)
+    optimizers: dict[int, torch.optim.Optimizer] = {id(p): rule.torch_optimizer([p], cfg) for p in params}
 
     def step_and_free(p: Tensor) -> None:
         optimizers[id(p)].step()

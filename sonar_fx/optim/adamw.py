@@ -1,4 +1,4 @@
-"""AdamW update math: one fused in-place update over tensors, and a plain-tensor reference.
+"""Adam(W) update math: one fused in-place update over tensors, and a plain-tensor reference.
 
 Legend: every tensor argument of `fused_adamw_` has the shape and dtype of its parameter, except
 `steps` (0-d float32 on the parameter's device, as `torch.optim.AdamW(fused=True)` keeps them).
@@ -38,8 +38,10 @@ def fused_adamw_(
     weight_decay: float,
     increment_steps: bool = True,
     found_inf: Tensor | None = None,
+    decoupled: bool = True,
 ) -> None:
-    """Fused AdamW, bitwise identical to `torch.optim.AdamW(fused=True)` (it makes the same calls).
+    """Fused AdamW, bitwise identical to `torch.optim.AdamW(fused=True)` (it makes the same calls);
+    `decoupled=False` is Adam with L2 decay, as `torch.optim.Adam(fused=True)` (`_fused_adam_`).
 
     Hyper-parameters are Python floats read at call time, so changing the LR never recompiles a
     graph that calls this through an opaque op. `increment_steps=False` lets several calls share one
@@ -52,7 +54,8 @@ def fused_adamw_(
     grads = [grad_like_param(p, g) for p, g in zip(params, grads, strict=True)]
     if increment_steps:
         torch._foreach_add_(list(steps), 1)
-    torch._fused_adamw_(
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(
         list(params),
         grads,
         list(exp_avgs),

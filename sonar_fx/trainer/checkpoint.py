@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sonar_fx.optim.lowbit import load_packed_state_dict, pack_state_dict
 from sonar_fx.trainer.config import flag_of
 from sonar_fx.trainer.rundir import CHECKPOINT, atomic_write
 
@@ -54,7 +55,8 @@ def save_checkpoint(
         "identity": dict(identity),
         "step": step,
         "model": model.state_dict(),
-        "optimizers": [opt.state_dict() for opt in optimizers],
+        # low-bit (torchao) states as plain tensors: loadable with weights_only=True, checksummed
+        "optimizers": [pack_state_dict(opt.state_dict()) for opt in optimizers],
         "schedulers": [s.state_dict() for s in schedulers],
         "stream": dict(stream_state),
         "rng": rng_state(),
@@ -190,7 +192,7 @@ def restore(
         )
     # Optimizers first: their param groups carry the LR the schedulers then take over.
     for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
-        opt.load_state_dict(state)
+        load_packed_state_dict(opt, state)
     for sched, state in zip(schedulers, ckpt["schedulers"], strict=True):
         sched.load_state_dict(state)
     set_rng_state(ckpt["rng"])

@@ -69,11 +69,25 @@ class TrainConfig:
     """Linear warm-up steps; None: 3% of the steps."""
     min_lr: float = 0.0
     """The cosine decay ends at this LR on the last step."""
+    optimizer: str = "adamw"
+    """One of `sonar_fx.config.OPTIMIZER_CONFIGS`: adamw, adam (L2 decay), sgd, lion."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam(W) moments; Lion's interpolation (beta1) and momentum (beta2) decays."""
     eps: float = 1e-8
     weight_decay: float = 0.0
+    momentum: float = 0.0
+    """SGD only."""
+    dampening: float = 0.0
+    """SGD only."""
+    nesterov: bool = False
+    """SGD only."""
     max_grad_norm: float | None = 1.0
     """Global-norm clip (which gradients it covers is the method's); None: no clipping."""
+    expert_clip: Literal["per_tensor", "global"] | None = None
+    """How expert gradients are clipped (`sonar_fx.config`): None (sonar: not at all), "per_tensor", or
+    "global" (two backward passes; the twin of the standard method)."""
+    state_bits: Literal[32, 8, 4] = 32
+    """Adam(W) only: bits of the expert tensors' moments (8, 4: torchao's low-bit states)."""
     nonfinite: Literal["raise", "skip", "ignore"] = "raise"
     """Sonar methods: an inf/NaN gradient stops the run ("raise", nothing of that step applied), skips
     the step and goes on ("skip", counted in the summary's sonar report) or is trained on ("ignore")."""
@@ -115,8 +129,9 @@ class TrainConfig:
 
 IDENTITY_FIELDS = (
     "model", "model_overrides", "dtype", "method", "steps", "batch_size", "max_len", "lr", "warmup",
-    "min_lr", "betas", "eps", "weight_decay", "max_grad_norm", "seed", "train_size", "held_out",
-    "pad_to_max_len", "deterministic",
+    "min_lr", "optimizer", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
+    "max_grad_norm", "expert_clip", "state_bits", "seed", "train_size", "held_out", "pad_to_max_len",
+    "deterministic",
 )  # fmt: skip
 """Fields a resumed run must share with the run that wrote the checkpoint (plus the execution mode and
 the data hash): any difference would change the arithmetic of the remaining steps."""

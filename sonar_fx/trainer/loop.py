@@ -24,6 +24,7 @@ from tqdm import tqdm
 from sonar_fx import data as D
 from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod
+from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.trainer import checkpoint as ckpt_io
 from sonar_fx.trainer.environment import memory_now, tensor_state_bytes
 from sonar_fx.trainer.metrics import MetricsFile, RunStats
@@ -177,7 +178,21 @@ class Trainer:
         return {"step": step + 1, "loss": loss_value if finite else None, "nonfinite_loss": not finite,
                 "lr": lr, "step_ms": seconds * 1e3, "supervised_tokens": n_tok,
                 "tokens_per_s": n_tok / seconds, "epoch": self.stream.epoch,
-                **memory_now(self.device)}  # fmt: skip
+                **self._grad_norms(), **memory_now(self.device)}  # fmt: skip
+
+    def _grad_norms(self) -> dict[str, Any]:
+        """Sonar's gradient norms of the step (taken inside its updates; before clipping)."""
+        optimizer = self.method.optimizer
+        if not isinstance(optimizer, SonarOptimizer):
+            return {}
+        norms = optimizer.grad_norms()
+        experts: dict[str, float] = norms["experts"]
+        record = {"grad_norm_dense": norms["dense"],
+                  "grad_norm_expert_max": max(experts.values(), default=None),
+                  "grad_norm_experts": experts}  # fmt: skip
+        if norms["total"] is not None:
+            record["grad_norm_total"] = norms["total"]
+        return record
 
     def _evaluate(self) -> float:
         bs = max(self.cfg.batch_size, 8)
@@ -200,5 +215,9 @@ class Trainer:
 def _postfix(record: Mapping[str, Any]) -> dict[str, str]:
     mem = record.get("cuda_max_allocated_mib", record.get("peak_rss_mib", 0.0))
     loss = record["loss"]
-    return {"loss": "nan" if loss is None else f"{loss:.3f}", "ms": f"{record['step_ms']:.0f}",
-            "tok/s": f"{record['tokens_per_s']:.0f}", "peak": f"{mem:.0f}MiB"}  # fmt: skip
+    postfix = {"loss": "nan" if loss is None else f"{loss:.3f}", "ms": f"{record['step_ms']:.0f}",
+               "tok/s": f"{record['tokens_per_s']:.0f}", "peak": f"{mem:.0f}MiB"}  # fmt: skip
+    for key, label in (("grad_norm_dense", "gn"), ("grad_norm_expert_max", "gn_exp")):
+        if record.get(key) is not None:
+            postfix[label] = f"{record[key]:.3g}"
+    return postfix

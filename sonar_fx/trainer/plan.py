@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar_fx import data as D
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import OptimizerConfig
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.trainer import checkpoint as ckpt_io
 from sonar_fx.trainer.config import ConfigError, TrainConfig, run_identity
@@ -29,7 +29,7 @@ class RunPlan:
     """A validated run: resolved config, data and (when resuming) the verified checkpoint."""
 
     cfg: TrainConfig
-    opt_cfg: AdamWConfig
+    opt_cfg: OptimizerConfig
     tokenizer: D.Tokenizer
     train: D.EncodedSet
     held_out: list[D.Example]

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sonar_fx.config import AdamWConfig, ConfigFieldError
-from sonar_fx.methods import METHODS
+from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, OptimizerConfig
+from sonar_fx.methods import METHODS, check_clip
 from sonar_fx.models import TINY_MODELS, build_model
 from sonar_fx.optim.optimizer import NONFINITE
 from sonar_fx.trainer.config import DTYPES, ConfigError, TrainConfig, flag_of
@@ -63,7 +63,9 @@ def check_flags(cfg: TrainConfig) -> None:
             flag = flag_of(name)
             raise ConfigError(f"{flag} {getattr(cfg, name)!r} is invalid: expected {expected}", flag=flag)
     if cfg.lr is not None:
-        adamw_config(cfg, cfg.lr)  # --lr is checked by the optimizer config, before --min-lr compares to it
+        optimizer_config(
+            cfg, cfg.lr
+        )  # --lr is checked by the optimizer config, before --min-lr compares to it
     check_device(cfg.device)
     if cfg.overwrite and cfg.resume is not None:
         resumed = Path(cfg.out if cfg.resume == "auto" else cfg.resume).resolve()
@@ -95,18 +97,58 @@ def check_device(device: str | None) -> None:
             )
 
 
-def adamw_config(cfg: TrainConfig, lr: float) -> AdamWConfig:
-    """The optimizer config of a run; a bad value is blamed on its own flag."""
-    try:
-        return AdamWConfig(
-            lr=lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.max_grad_norm,
+def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
+    """The optimizer config of a run (`--optimizer` and its hyper-parameters); a bad value, or one
+    the optimizer or method cannot honour, is blamed on its own flag."""
+    kind = OPTIMIZER_CONFIGS.get(cfg.optimizer)
+    if kind is None:
+        raise ConfigError(
+            f"--optimizer {cfg.optimizer!r} is invalid: expected one of {', '.join(OPTIMIZER_CONFIGS)}",
+            flag="--optimizer",
         )
+    fields: dict[str, Any] = dict(
+        lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, expert_clip=cfg.expert_clip
+    )
+    by_optimizer: dict[str, dict[str, Any]] = {
+        "adamw": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
+        "adam": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
+        "sgd": dict(momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov),
+        "lion": dict(betas=cfg.betas),
+    }
+    extra = by_optimizer[cfg.optimizer]
+    _refuse_unused(cfg, extra)
+    try:
+        opt_cfg = kind(**fields, **extra)
+        check_clip(cfg.method, opt_cfg)
     except ConfigFieldError as exc:
         raise field_error(exc) from exc
+    if cfg.state_bits != 32:
+        _check_torchao()
+    return opt_cfg
+
+
+def _refuse_unused(cfg: TrainConfig, used: dict[str, Any]) -> None:
+    """A flag the chosen optimizer has no use for is refused, not silently dropped."""
+    defaults = TrainConfig()
+    for name in ("momentum", "dampening", "nesterov", "state_bits"):
+        if name not in used and getattr(cfg, name) != getattr(defaults, name):
+            flag = flag_of(name)
+            raise ConfigError(
+                f"{flag} does not apply to --optimizer {cfg.optimizer} (momentum, dampening and nesterov are "
+                "SGD's; state bits are Adam(W)'s); drop it or pick the optimizer it belongs to",
+                flag=flag,
+            )
+
+
+def _check_torchao() -> None:
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"--state-bits needs torchao's low-bit optimizer states, which cannot be imported here ({exc}); "
+            "pip install torchao (with --no-deps if pip would replace torch), or use --state-bits 32",
+            flag="--state-bits",
+        ) from exc
 
 
 def check_overrides(model: str, overrides: Mapping[str, Any]) -> None:
@@ -201,7 +243,7 @@ def build_checked_model(cfg: TrainConfig) -> nn.Module:
 
 def resolve(
     cfg: TrainConfig, *, local: bool, n_train: int, n_held_out: int
-) -> tuple[TrainConfig, AdamWConfig]:
+) -> tuple[TrainConfig, OptimizerConfig]:
     """The config with every None field resolved (see `TrainConfig`), and its optimizer config."""
     if n_train < cfg.batch_size:
         raise ConfigError(
@@ -212,7 +254,7 @@ def resolve(
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     steps = cfg.steps or n_train // cfg.batch_size
     lr = cfg.lr if cfg.lr is not None else (2e-5 if local else 3e-3)
-    opt_cfg = adamw_config(cfg, lr)
+    opt_cfg = optimizer_config(cfg, lr)
     if cfg.min_lr > lr:
         raise ConfigError(
             f"--min-lr {cfg.min_lr} is above --lr {lr}: the cosine decays down to --min-lr", flag="--min-lr"

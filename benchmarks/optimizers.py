@@ -1,0 +1,254 @@
+"""Question: what do Sonar's optimizers, expert clipping modes, logged norms and low-bit states cost?
+
+For each element-wise optimizer (AdamW, Adam, SGD with momentum, Lion): Sonar against its exact twin
+(standard training clipping the dense gradients only): step time and the step's transient memory.
+For the clipping modes (AdamW): expert_clip=None / "per_tensor" / "global" against standard training
+with global clipping, whose exact twin is "global" (two backward passes instead of holding every
+expert gradient). The cost of logging each expert gradient's norm (taken inside the update) against
+the same run with the norms off. Low-bit expert states (torchao, 8 and 4 bits): the bytes of the
+expert optimizer states and the step time. All arms of a table run round-robin in one process, so
+every time ratio pairs steps taken under the same load; memory is measured once per arm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from benchmarks.common import Goal, Spread, Table, fmt_ratio, mib, paired_ratio
+from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
+from sonar_fx.memory import measure_peak
+from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.models import build_model
+from sonar_fx.optim.adamw import nonfinite_flag
+from sonar_fx.optim.lowbit import is_lowbit
+from sonar_fx.optim.norms import tensor_norm
+from sonar_fx.optim.optimizer import SonarOptimizer
+
+SCRIPT = "optimizers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run of this script."""
+
+    model: str = "tiny-olmoe"
+    overrides: dict[str, Any] = field(
+        default_factory=lambda: dict(
+            hidden_size=256, intermediate_size=256, num_experts=32, num_hidden_layers=4
+        )
+    )
+    """A CPU-sized OLMoE: experts hold most of the parameters, as in the real model (93%)."""
+    batch: int = 2
+    seq: int = 64
+    """Few tokens, as in the paper's runs (batch 2): expert gradients, not activations, dominate."""
+    warmup: int = 2
+    rounds: int = 10
+    compiler: str = "eager"
+    """"eager" (hooks) or "aot_eager" (the compiled pass)."""
+    lowbit: bool = True
+    """Include the torchao low-bit arms (skipped with a note when torchao is missing)."""
+
+
+QUICK = Config(overrides=dict(hidden_size=128, intermediate_size=128, num_experts=8, num_hidden_layers=2),
+               seq=64, warmup=1, rounds=4)  # fmt: skip
+LR = 1e-3
+OPTIMIZERS: dict[str, OptimizerConfig] = {
+    "adamw": AdamWConfig(lr=LR),
+    "adam": AdamConfig(lr=LR),
+    "sgd": SGDConfig(lr=LR, momentum=0.9),
+    "lion": LionConfig(lr=LR),
+}
+
+
+@dataclass
+class Arm:
+    """One trained setup: its label, method and the measurements of its timed steps."""
+
+    label: str
+    build: Callable[[], tuple[torch.nn.Module, TrainingMethod]]
+    times: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    expert_state_bytes: int = 0
+    model: torch.nn.Module | None = None
+    method: TrainingMethod | None = None
+
+
+def _arm(label: str, method: str, cfg: OptimizerConfig, run: Config, *, norms: bool = True) -> Arm:
+    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+        model = build_model(run.model, seed=0, **run.overrides)
+        m = build_method(method, model, cfg, compiler=run.compiler)
+        if isinstance(m.optimizer, SonarOptimizer):
+            m.optimizer.clipper.track_norms = norms
+        return model, m
+
+    return Arm(label, build)
+
+
+def _batches(n: int, run: Config, vocab: int = 259) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (run.batch, run.seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _expert_state_bytes(method: TrainingMethod) -> int:
+    """Bytes of the optimizer states of the expert tensors (a quantized state counts its parts)."""
+    opt = method.optimizer
+    if not isinstance(opt, SonarOptimizer):
+        return 0
+    total = 0
+    for p in opt.expert_group["params"]:
+        for v in opt.state[p].values():
+            if is_lowbit(v):
+                names, _ = v.__tensor_flatten__()
+                total += sum(getattr(v, n).numel() * getattr(v, n).element_size() for n in names)
+            elif isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def run_arms(arms: Sequence[Arm], run: Config) -> None:
+    """Warm each arm up, measure its peak once, then time one step per arm per round."""
+    data = _batches(run.warmup + 1 + run.rounds, run)
+    for arm in arms:
+        torch._dynamo.reset()  # each arm compiles its own graphs (no reuse across arms' settings)
+        arm.model, arm.method = arm.build()
+        for b in data[: run.warmup]:
+            arm.method.train_step(b)
+        _, peak = measure_peak(partial(arm.method.train_step, data[run.warmup]))
+        arm.peak_bytes = peak.peak_bytes
+        arm.expert_state_bytes = _expert_state_bytes(arm.method)
+        print(f"  {arm.label}: ready", flush=True)
+    for b in data[run.warmup + 1 :]:
+        for arm in arms:
+            assert arm.method is not None
+            t0 = time.perf_counter()
+            float(arm.method.train_step(b))
+            arm.times.append(time.perf_counter() - t0)
+
+
+def _row(arm: Arm, base: Arm) -> list[str]:
+    ms = Spread.of([t * 1e3 for t in arm.times]).fmt(1)
+    return [arm.label, ms, fmt_ratio(paired_ratio(arm.times, base.times)), f"{mib(arm.peak_bytes):.1f}",
+            f"{arm.peak_bytes / max(base.peak_bytes, 1):.2f}x"]  # fmt: skip
+
+
+HEADERS = ["arm", "step ms [q25-q75]", "time vs base", "step transient MiB", "memory vs base"]
+
+
+def optimizer_table(run: Config) -> tuple[Table, list[Arm]]:
+    arms = []
+    for name, cfg in OPTIMIZERS.items():
+        arms += [_arm(f"{name}: standard_no_expert_clip", "standard_no_expert_clip", cfg, run),
+                 _arm(f"{name}: sonar", "sonar", cfg, run)]  # fmt: skip
+    run_arms(arms, run)
+    rows = [_row(arm, arms[i - i % 2]) for i, arm in enumerate(arms)]
+    note = "base: the same optimizer's standard_no_expert_clip (Sonar's exact twin)."
+    return Table(title=f"Optimizers ({run.compiler})", headers=HEADERS, rows=rows, note=note), arms
+
+
+def clipping_table(run: Config) -> tuple[Table, list[Arm]]:
+    plain = AdamWConfig(lr=LR, max_grad_norm=1.0)
+    arms = [
+        _arm("standard (global clip)", "standard", plain, run),
+        _arm("sonar expert_clip=None", "sonar", plain, run),
+        _arm("sonar expert_clip=per_tensor", "sonar", replace(plain, expert_clip="per_tensor"), run),
+        _arm("sonar expert_clip=global", "sonar", replace(plain, expert_clip="global"), run),
+        _arm("sonar expert_clip=None, norms off", "sonar", plain, run, norms=False),
+    ]
+    run_arms(arms, run)
+    rows = [_row(arm, arms[0]) for arm in arms]
+    note = ("base: standard training clipping all gradients by one global norm (the exact twin of "
+            "expert_clip='global'). 'norms off': no per-expert norm "
+            "(nonfinite check: own pass).")  # fmt: skip
+    return Table(title=f"Expert clipping, logged norms, AdamW ({run.compiler})", headers=HEADERS, rows=rows,
+                 note=note), arms  # fmt: skip
+
+
+def lowbit_table(run: Config) -> tuple[Table, list[Arm]] | None:
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        print("torchao is not installed: no low-bit arms (pip install torchao --no-deps)")
+        return None
+    arms = [_arm(f"sonar adamw, {bits}-bit expert states", "sonar", AdamWConfig(lr=LR, state_bits=bits), run)
+            for bits in (32, 8, 4)]  # fmt: skip
+    run_arms(arms, run)
+    base = arms[0]
+    rows = [[*_row(arm, base), f"{mib(arm.expert_state_bytes):.2f}",
+             f"{arm.expert_state_bytes / base.expert_state_bytes:.3f}x"] for arm in arms]  # fmt: skip
+    note = "Expert state MiB: exp_avg + exp_avg_sq (+ step) of the expert tensors; quantized codes + scales."
+    return Table(title=f"Low-bit expert states ({run.compiler})", headers=[*HEADERS, "expert state MiB",
+                 "state vs 32-bit"], rows=rows, note=note), arms  # fmt: skip
+
+
+def per_step_seconds(arm: Arm, fn: Callable[[torch.Tensor], torch.Tensor], repeats: int = 20) -> float:
+    """Median seconds of `fn` over every expert gradient of one step (random values of each expert
+    tensor's shape): the calls an update makes once per expert tensor."""
+    assert isinstance(arm.method, TrainingMethod) and isinstance(arm.method.optimizer, SonarOptimizer)
+    grads = [torch.randn_like(p) for p in arm.method.optimizer.expert_group["params"]]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for g in grads:
+            float(fn(g))
+        times.append(time.perf_counter() - t0)
+    return Spread.of(times).median
+
+
+def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
+    by = {a.label: a for a in clip_arms}
+    on, off = by["sonar expert_clip=None"], by["sonar expert_clip=None, norms off"]
+    # The end-to-end ratio is within the noise of a shared CPU: the norms' own time is the measure.
+    # With nonfinite="raise"/"skip" the norm also makes the non-finite check, replacing its own pass
+    # (`nonfinite_flag`), so the net cost is the difference.
+    step = Spread.of(on.times).median
+    gross = per_step_seconds(on, tensor_norm) / step
+    net = gross - per_step_seconds(on, nonfinite_flag) / step
+    end_to_end = paired_ratio(on.times, off.times)
+    glob, std = by["sonar expert_clip=global"], by["standard (global clip)"]
+    out = [
+        Goal(name="logged norms cost", target="< 2% of step time",
+             measured=f"net {net * 100:.2f}% (norm calls {gross * 100:.2f}% minus the non-finite pass they "
+             f"replace; on/off step ratio {fmt_ratio(end_to_end)})",
+             met=net < 0.02),
+        Goal(name="global clip memory", target="below standard (global clip)",
+             measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),
+    ]  # fmt: skip
+    if lowbit_arms:
+        ratio = lowbit_arms[1].expert_state_bytes / lowbit_arms[0].expert_state_bytes
+        out.append(Goal(name="8-bit expert states", target="~1/4 of fp32 states", measured=f"{ratio:.3f}x",
+                        met=ratio < 0.3))  # fmt: skip
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    inv = common.start(
+        SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
+        overrides=[common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler")],
+    )  # fmt: skip
+    run = inv.cfg
+    tables, records = [], []
+    opt_table, opt_arms = optimizer_table(run)
+    clip_table, clip_arms = clipping_table(run)
+    tables += [opt_table, clip_table]
+    low = lowbit_table(run) if run.lowbit else None
+    if low is not None:
+        tables.append(low[0])
+    for arm in [*opt_arms, *clip_arms, *(low[1] if low else [])]:
+        records.append({"arm": arm.label, "step_s": arm.times, "peak_bytes": arm.peak_bytes,
+                        "expert_state_bytes": arm.expert_state_bytes})  # fmt: skip
+    inv.finish(tables, goals=goals(clip_arms, low[1] if low else None), records=records)
+
+
+if __name__ == "__main__":
+    main()
