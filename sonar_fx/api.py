@@ -19,6 +19,7 @@ from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertLayer, discover_experts
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
+from sonar_fx.optim.reduction import GradReduction
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -32,10 +33,12 @@ def prepare(
     granularity: Granularity = "batched",
     accumulation: Accumulation = None,
     nonfinite: NonFinite = "raise",
+    distributed: GradReduction | None = None,
 ) -> SonarOptimizer:
     """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
     `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
-    untouched and the error names it), "skip" (the step is skipped and counted) or "ignore"."""
+    untouched and the error names it), "skip" (the step is skipped and counted) or "ignore".
+    `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
     if not isinstance(opt_cfg, AdamWConfig):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, got {type(opt_cfg).__name__}. Sonar updates each expert "
@@ -47,7 +50,8 @@ def prepare(
             "This model is already prepared for Sonar (model.sonar exists); build a fresh one."
         )
     layers = discover_experts(model, experts)
-    _refuse_gradient_reducing_wrappers(model, layers)
+    if distributed is None:
+        _refuse_gradient_reducing_wrappers(model, layers)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
     dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in expert_ids]
@@ -55,6 +59,7 @@ def prepare(
         [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in dense],
     )  # fmt: skip
+    optimizer.distributed = distributed
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
 
@@ -78,6 +83,7 @@ def compile(
     accumulation: Accumulation = None,
     nonfinite: NonFinite = "raise",
     regional: bool = False,
+    distributed: GradReduction | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
@@ -99,6 +105,7 @@ def compile(
         granularity=granularity,
         accumulation=accumulation,
         nonfinite=nonfinite,
+        distributed=distributed,
     )
     if compiler == "eager":
         return model
@@ -143,7 +150,8 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
 
 
 def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:
-    """Experts under a wrapper that reduces gradients after backward would be updated from local ones."""
+    """Experts under a wrapper that reduces gradients after backward would be updated from local ones:
+    point to `sonar_fx.distributed`, which sets the engine up so that they are not."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrappers: list[tuple[str, nn.Module]] = [
@@ -153,11 +161,18 @@ def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLaye
         prefix = f"{wrapper_name}." if wrapper_name else ""
         inside = [t.name for layer in layers for t in layer.tensors if t.name.startswith(prefix)]
         if inside:
+            fix = (
+                "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model (it keeps the experts out of "
+                "DDP's buckets and all-reduces each expert gradient before its update)"
+                if isinstance(wrapper, DistributedDataParallel)
+                else "sonar_fx.distributed.fsdp2(model, cfg) on the unwrapped model (FSDP2's fully_shard "
+                "reduce-scatters each expert gradient before Sonar's hook updates the shard; FSDP1's flat "
+                "parameters are not supported)"
+            )
             raise SonarUsageError(
                 f"{inside[0]} is an expert tensor managed by {type(wrapper).__name__}, which reduces "
-                "gradients across ranks after backward: Sonar's in-backward update would see this rank's "
-                "local gradient and train silently wrong. Supported today: one process (no data-parallel "
-                "wrapper); a wrapper added after prepare is caught at the first expert update."
+                "gradients across ranks after backward: a plain prepare/compile would update it from this "
+                f"rank's local gradient and train silently wrong. Use {fix}."
             )
 
 

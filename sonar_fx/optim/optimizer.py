@@ -22,6 +22,7 @@ from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim.adamw import fused_adamw_, grad_like_param, nonfinite_flag
 from sonar_fx.optim.errors import NonFiniteGradientError, SonarUsageError
+from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.runtime import hooks, registry
@@ -61,8 +62,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
         self.compiler = "eager"
-        self.distributed: str | None = None
-        """The distributed setup that reduces expert gradients before the update (None: one process)."""
+        self.distributed: GradReduction | None = None
+        """Reduces expert gradients across ranks before their update (None: one process); set by
+        `sonar_fx.distributed`."""
         defaults = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         experts = [t.param for layer in expert_layers for t in layer.tensors]
         super().__init__(
@@ -116,13 +118,32 @@ class SonarOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
 
+    def init_state(self) -> None:
+        """Create every tensor's state now (zeros, as before its first update), so that a sharded
+        checkpoint (torch.distributed.checkpoint) has a template to load into."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._adamw_state(p)
+
     @torch.no_grad()
-    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str) -> None:
-        """AdamW on one batched expert tensor, now; the caller frees `grad` afterwards."""
+    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None:
+        """AdamW on one batched expert tensor, in this backward; the caller frees `grad` afterwards.
+        `reduced` names the all-reduce a compiled graph applied to `grad` ("" for none)."""
         name = self._names.get(id(param))
         if name is None:
             raise KeyError("update_expert_ got a tensor that is not one of this optimizer's experts.")
         self._check_tensor(name, param, grad)
+        if self.distributed is None:
+            refuse_unreduced(name, reduced)
+            self._update_now(name, param, grad, path)
+            return
+        # The reduction seam: the gradient every rank would see, then the update (now or in this backward).
+        self.distributed.reduce_then_update(
+            name, grad, path=path, reduced=reduced, update=lambda g: self._update_now(name, param, g, path)
+        )
+
+    @torch.no_grad()
+    def _update_now(self, name: str, param: Tensor, grad: Tensor, path: str) -> None:
         if self.tracker.before_update(name):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         found_inf = self._nonfinite_flag(name, grad)
@@ -154,13 +175,6 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.stats.record_update(name, path)
 
     def _check_tensor(self, name: str, param: Tensor, grad: Tensor) -> None:
-        if self.distributed is None and _multi_process():
-            raise SonarUsageError(
-                f"{name}: torch.distributed runs {torch.distributed.get_world_size()} processes, so this "
-                "gradient is this rank's local one and Sonar would update each rank's copy differently. "
-                "Sonar's in-backward update does not reduce expert gradients across ranks yet: train on one "
-                "process, or keep the experts out of data parallelism."
-            )
         if param.dtype == torch.float16:
             raise SonarUsageError(
                 f"{name} is float16: fp16 weights need a GradScaler, whose unscale and inf check would run "
@@ -186,7 +200,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         untouched under "raise" and "skip"; which ones were non-finite is read once per backward."""
         if self.nonfinite == "ignore":
             return None
-        flag = self._skip_flags[name] = nonfinite_flag(grad)
+        flag = nonfinite_flag(grad)
+        # An FSDP2 shard's flag is a replicated DTensor (the whole tensor's verdict): keep its plain value.
+        full = getattr(flag, "full_tensor", None)
+        self._skip_flags[name] = full() if full is not None else flag
         return flag
 
     def _backward_finished(self) -> None:
@@ -198,11 +215,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         bad = [
             n for n, f in zip(names, torch.stack(list(self._skip_flags.values())).tolist(), strict=True) if f
         ]
-        if not bad:
+        if not self._any_rank(bool(bad)):
             return
         self.tracker.interrupted = [n for n in self.tracker.updated if n not in bad]
+        where = ", ".join(bad[:4]) or "expert tensors of another rank"
         raise NonFiniteGradientError(
-            f"non-finite expert gradients (inf or NaN) in {', '.join(bad[:4])}"
+            f"non-finite expert gradients (inf or NaN) in {where}"
             f"{' ...' if len(bad) > 4 else ''} (nonfinite='raise'): their weights and moments are untouched. "
             f"{len(self.tracker.interrupted)} expert tensor(s) with finite gradients were already updated "
             "in this backward. Call optimizer.abandon_step() to drop the step and go on, restore the last "
@@ -265,7 +283,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "gradients, or pass nonfinite='skip' to skip such steps.",
                 bad,
             )
-        if not (dense_bad or skipped):
+        if not self._any_rank(dense_bad or bool(skipped)):
             return False
         self.stats.skipped_updates.update(skipped)
         self.stats.skipped_steps += 1
@@ -278,6 +296,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         for p in params:
             p.grad = None
         return True
+
+    def _any_rank(self, local: bool) -> bool:
+        """`local` on any rank: every rank stops or skips a step alike (one process: `local`)."""
+        return local if self.distributed is None else self.distributed.any_rank(local)
 
     def _nonfinite_names(self) -> list[str]:
         """Expert tensors whose gradient was non-finite since the last step (one sync for all)."""
@@ -347,8 +369,3 @@ def _release(handles: list[Any]) -> None:
 
 def _finite(t: Tensor | None) -> bool:
     return t is None or bool(nonfinite_flag(t) == 0)
-
-
-def _multi_process() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
