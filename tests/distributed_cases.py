@@ -265,3 +265,17 @@ def mixed_up_graphs(rank: int) -> dict[str, Any]:
         except sonar_fx.SonarUsageError as err:
             seen["plain_reusing_ddp_graph"] = str(err)
     return seen
+
+
+def memory_rows(rank: int) -> list[dict[str, Any]]:
+    """The memory table of `benchmarks.distributed` (quick config) as this rank counts it."""
+    from dataclasses import asdict
+
+    from benchmarks.distributed import QUICK, measure
+
+    return [asdict(row) | {"all_grad_bytes": _all_grad_bytes()} for row in measure(QUICK)]
+
+
+def _all_grad_bytes() -> int:
+    model = build_model("tiny-olmoe", seed=0)
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -112,3 +112,23 @@ def test_world_size_4_is_close_to_ddp_and_ranks_agree_bitwise(tmp_path):
     ranks = spawn("distributed_cases:ddp_world4", tmp_path, world=4, timeout_s=420)
     assert len({r["digest"] for r in ranks}) == 1
     assert all(r["max_abs_diff"] < 1e-5 and r["by_hook"] == UPDATES for r in ranks)
+
+
+def test_gradient_memory_saving_per_engine_by_storage_count(tmp_path):
+    """Sonar's saving is the engine's expert-gradient bytes (twice under DDP's bucket copies) less at
+    most one layer; with experts in a shared FSDP2 group it is zero. Counted storage bytes, so the
+    numbers are exact and the same on both ranks."""
+    ranks = spawn("distributed_cases:memory_rows", tmp_path)
+    assert ranks[0] == ranks[1]
+    rows = {(r["engine"], r["arm"]): r for r in ranks[0]}
+    every_grad = ranks[0][0]["all_grad_bytes"]
+    assert rows[("DDP", "standard")]["peak_bytes"] == 2 * every_grad  # buckets + .grad, all of it
+    assert rows[("DDP (gradient_as_bucket_view)", "standard")]["peak_bytes"] == every_grad
+    for row in ranks[0]:
+        assert row["standard_bytes"] - row["peak_bytes"] >= row["expected_min"], row
+    ddp = rows[("DDP", "sonar")]
+    assert ddp["standard_bytes"] - ddp["peak_bytes"] > ddp["expert_bytes"]  # the bucket copy goes too
+    shared = rows[("FSDP2", "sonar, experts in the block's group")]
+    assert shared["peak_bytes"] == shared["standard_bytes"]
+    own = rows[("FSDP2", "sonar")]
+    assert own["standard_bytes"] - own["peak_bytes"] >= own["expert_bytes"] - own["layer_bytes"] > 0
