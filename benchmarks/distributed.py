@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks import common
 from benchmarks.common import Table
@@ -113,11 +113,15 @@ def _adamw_step(model: Any) -> Callable[[], None]:
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    return lambda: (opt.step(), opt.zero_grad())
+    return _sonar_step(opt)
 
 
 def _sonar_step(optimizer: Any) -> Callable[[], None]:
-    return lambda: (optimizer.step(), optimizer.zero_grad())
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
 
 
 def _ddp_rows(cfg: Config, dtype: Any, *, bucket_view: bool) -> list[Row]:
@@ -143,7 +147,8 @@ def _ddp_rows(cfg: Config, dtype: Any, *, bucket_view: bool) -> list[Row]:
         wrapped = sd.ddp(model, AdamWConfig(lr=1e-3), async_reduce=asynchronous,
                          ddp_kwargs={"gradient_as_bucket_view": bucket_view})  # fmt: skip
         counter.add_ddp(wrapped)
-        counter.held = wrapped.sonar.distributed.live_grads
+        reduction: Any = cast(Any, wrapped).sonar.distributed
+        counter.held = reduction.live_grads
         peak = _peak(cfg, wrapped, _sonar_step(wrapped.sonar), counter)
         alive = 2 * layer if asynchronous else layer
         rows.append(Row(engine=engine, arm="sonar async" if asynchronous else "sonar", peak_bytes=peak,

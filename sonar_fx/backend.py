@@ -129,7 +129,7 @@ def make_sonar_backend(
 def expert_owners(example_inputs: Sequence[object]) -> dict[int, object]:
     """Input index -> owner, for the inputs that are bound expert parameters. A fake input (a subgraph
     of DDP's optimizer) counts when its fake mode made it from a bound parameter."""
-    owners = {}
+    owners: dict[int, object] = {}
     fakes: dict[int, int] = {}
     for i, x in enumerate(example_inputs):
         if isinstance(x, FakeTensor):

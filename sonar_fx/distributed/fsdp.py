@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -118,7 +118,7 @@ def _group_owner(model: nn.Module, param_name: str) -> nn.Module:
 def _group_params(owner: nn.Module) -> list[nn.Parameter]:
     """Parameters `owner`'s group manages: its own, not those of nested `FSDPModule`s."""
     nested = [m for n, m in owner.named_modules() if n and isinstance(m, FSDPModule)]
-    skip = {id(p) for m in nested for p in m.parameters()}
+    skip = {id(p) for m in nested for p in cast(nn.Module, m).parameters()}
     return [p for p in owner.parameters() if id(p) not in skip]
 
 

@@ -82,4 +82,7 @@ class GradStorageCounter:
         task = torch._C._current_graph_task_id()
         if task != self._callback_task:
             self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.sample)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.sample()

@@ -33,9 +33,14 @@ class GradReduction(Protocol):
     (the reduction then runs at update time), "all_reduce" them (mean over `group_name`, as functional
     collectives in the graph) before updating, or leave them to the hooks ("hooks": the engine reduces
     them after the graph has returned)."""
-    group_name: str | None
-    """The process group a graph all-reduces over (its registered name), for `in_graph="all_reduce"`."""
-    world_size: int
+
+    @property
+    def group_name(self) -> str | None:
+        """The process group a graph all-reduces over (its registered name), for `in_graph="all_reduce"`."""
+        ...
+
+    @property
+    def world_size(self) -> int: ...
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
         """Reduce `grad` (the expert tensor `name`'s) as the engine would, then call `update` with it,
