@@ -38,14 +38,24 @@ class CompiledForward:
         self.__signature__ = inspect.signature(self.eager_forward.__get__(module))
         self.__doc__ = self.eager_forward.__doc__
         self.__name__ = getattr(self.eager_forward, "__name__", "forward")
+        # A bound-method look-alike: code that rewraps a forward (accelerate's mixed-precision autocast and
+        # its unwrap, regional compilation) takes `forward.__func__`, wraps it and binds the wrapper to the
+        # module with MethodType. Without these, accelerate wraps this object as an opaque callable and its
+        # unwrap later binds the object itself, which then receives the module twice.
+        self.__self__ = module
+        self.__func__ = _unbound_forward(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.module, *args, **kwargs)
+
+    def run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The compiled forward of `module` (this module, or one rebinding `__func__` to itself)."""
         if self.failed:
-            return self.eager_forward(self.module, *args, **kwargs)
+            return self.eager_forward(module, *args, **kwargs)
         if not self.fallback:
-            return self.compiled(self.module, *args, **kwargs)
+            return self.compiled(module, *args, **kwargs)
         try:
-            return self.compiled(self.module, *args, **kwargs)
+            return self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Tracing failed before any backend ran (e.g. a graph break under fullgraph=True): no backward
             # ran on this forward, so nothing was updated yet and running it eagerly is safe.
@@ -53,7 +63,7 @@ class CompiledForward:
             optimizer = self._optimizer()
             if optimizer is not None:
                 record_fallback(optimizer, err)
-            return self.eager_forward(self.module, *args, **kwargs)
+            return self.eager_forward(module, *args, **kwargs)
 
     def _optimizer(self) -> SonarOptimizer | None:
         """The optimizer that owns this module's experts (it records the fallback)."""
@@ -63,6 +73,20 @@ class CompiledForward:
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt, never copied: a copy compiled for the copied module (deepcopy maps `self.module` to it).
         return (_rebuild, (self.module, self.compiler, self.fallback, self.torch_compile_kwargs))
+
+
+def _unbound_forward(compiled: CompiledForward) -> Callable[..., Any]:
+    """`CompiledForward.__func__`: a plain function of (module, *args), signed like the class's forward
+    (self first), so binding it with MethodType shows the same parameters as the model's forward. It has
+    no `__wrapped__`: unwrapping must stop here, not at the eager forward."""
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return compiled.run(module, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(compiled.eager_forward)  # type: ignore[attr-defined]
+    forward.__doc__ = compiled.eager_forward.__doc__
+    forward.__name__ = forward.__qualname__ = compiled.__name__
+    return forward
 
 
 def _rebuild(module: nn.Module, compiler: str, fallback: bool, kwargs: dict[str, Any]) -> CompiledForward:

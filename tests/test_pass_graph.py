@@ -1,6 +1,8 @@
 """The backward-graph rewrite, inspected: 2L update nodes, each placed after its weight gradient and
 after every reader of the weight's aliases, and no gradient returned for expert tensors."""
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -10,6 +12,7 @@ from torch.fx import GraphModule, Node
 import sonar_fx
 from sonar_fx.backend import SonarPartitioner
 from sonar_fx.models import build_model
+from sonar_fx.passes import expert_update_pass
 from sonar_fx.passes.graph_utils import is_view, node_order, shares_storage, storage_of
 from sonar_fx.runtime import EXPERT_UPDATE_OP, registry
 
@@ -96,3 +99,41 @@ def _input_of(update: Node, primals: list[Node]) -> int:
     storage = storage_of(update.args[1][0])
     (index,) = [i for i, p in enumerate(primals) if storage_of(p) == storage]
     return index
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    return GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def _captured(model_name="tiny-olmoe", dtype=torch.bfloat16):
+    """A standard (unrewritten) forward/backward pair and the expert input indices of its forward."""
+    fw, bw = capture(model_name, dtype, sonar=False)
+    primals = fw.graph.find_nodes(op="placeholder")
+    experts = [i for i, p in enumerate(primals) if p.meta["val"].dim() == 3]  # batched (E, ., .) tensors
+    return fw, bw, experts
+
+
+def test_pass_without_experts_leaves_the_graph_as_it_was():
+    fw, bw, _ = _captured()
+    before = str(bw.graph)
+    out = expert_update_pass(_copy(bw), fw_gm=fw, expert_inputs=[])
+    assert str(out.graph) == before and out.meta["sonar_updates"] == []
+
+
+def test_pass_is_idempotent():
+    fw, bw, experts = _captured()
+    assert len(experts) == 2 * 2, "two layers, two batched expert tensors each"
+    once = expert_update_pass(_copy(bw), fw_gm=fw, expert_inputs=experts)
+    text = str(once.graph)
+    twice = expert_update_pass(once, fw_gm=fw, expert_inputs=experts)
+    assert len(updates(twice)) == len(experts) and str(twice.graph) == text
+    assert twice.meta["sonar_updates"] == [], "the second run found no gradient left to consume"
+
+
+def test_pass_refuses_a_backward_whose_outputs_do_not_match_the_forward_inputs():
+    fw, bw, experts = _captured()
+    broken = _copy(bw)
+    (output,) = broken.graph.find_nodes(op="output")
+    output.args = (tuple(output.args[0])[:-1],)
+    with pytest.raises(ValueError, match="cannot map gradients to expert parameters"):
+        expert_update_pass(broken, fw_gm=fw, expert_inputs=experts)

@@ -59,15 +59,6 @@ def _regional(name, dtype, compiler, data, **kwargs):
     return model
 
 
-@pytest.fixture
-def deterministic():
-    """Inductor's CPU kernels otherwise accumulate in parallel: two equal runs could differ in bits."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny-olmoe", "tiny-qwen3moe"])
 def test_regional_compile_shares_one_graph_and_is_exact(name, dtype):

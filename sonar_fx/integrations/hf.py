@@ -1,0 +1,269 @@
+"""Sonar in transformers' `Trainer`: the optimizer, the one gradient clip, and the checks, in one place.
+
+For: the one supported way to train a model compiled by `sonar_fx.compile` with `Trainer`, or with any
+Trainer subclass through `SonarTrainerMixin` (TRL's `SFTTrainer`: `sonar_fx.integrations.sft`):
+
+    args = TrainingArguments(output_dir=..., learning_rate=2e-5, max_grad_norm=1.0, ...)
+    model = sonar_fx.compile(model, sonar_config(args), compiler="inductor")
+    SonarTrainer(model=model, args=args, train_dataset=..., data_collator=...).train()
+
+- Optimizer: `model.sonar`, whose AdamW hyper-parameters come from the Trainer's own arguments
+  (`sonar_config`); scheduler: the Trainer's own (`lr_scheduler_type`, warm-up), which drives the dense
+  and the expert LR alike (both are param groups of `model.sonar`).
+- Clipping, exactly once, by the Trainer: it clips every parameter that has a `.grad` to
+  `args.max_grad_norm` before `optimizer.step()`. Sonar leaves expert `.grad` None, so the Trainer's clip
+  IS the dense-only clip of the method. Sonar's own clip is off (`sonar_config` sets
+  `max_grad_norm=None`); a model whose Sonar config clips is refused, since a second clip is not a no-op
+  (it scales by max_norm / (norm + 1e-6)).
+- Checkpoints: the Trainer's own. Its `optimizer.pt` holds `model.sonar.state_dict()` (dense and expert
+  moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise; expert weights
+  that `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
+
+Never: clip twice, accumulate gradients silently (experts are updated inside every backward), ignore a
+Trainer argument that would change the optimizer, or leave a trainable parameter out of the optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar_fx.api import sonar_of
+from sonar_fx.config import AdamWConfig
+from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.optim.optimizer import SonarOptimizer
+
+try:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+except ImportError as err:  # Trainer needs accelerate, which only the extra brings
+    raise ImportError(
+        f"sonar_fx.integrations.hf needs transformers' Trainer ({err}); install the extra: "
+        "pip install 'sonar-fx[hf]'"
+    ) from err
+
+__all__ = [
+    "SonarTrainer",
+    "SonarTrainerMixin",
+    "byte_tokenizer",
+    "check_trainer_setup",
+    "sonar_config",
+]
+
+SONAR_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+"""`TrainingArguments.optim` values Sonar computes (fused AdamW arithmetic)."""
+
+
+def sonar_config(args: TrainingArguments) -> AdamWConfig:
+    """The `AdamWConfig` for `sonar_fx.compile` from the Trainer's own arguments, with Sonar's clip off:
+    the Trainer clips (`args.max_grad_norm`), once, and that clip sees only dense gradients."""
+    return AdamWConfig(
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        max_grad_norm=None,
+    )
+
+
+def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer) -> None:
+    """Refuse, naming the fix, every Trainer setting under which Sonar would train differently from what
+    the arguments say (the mixin runs this when the Trainer is built and when it creates the optimizer)."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in SONAR_OPTIMS or args.optim_args:
+        raise SonarUsageError(
+            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar trains with fused "
+            f"AdamW ({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
+            "element-wise optimizer. Leave optim at its default."
+        )
+    if args.fp16:
+        raise SonarUsageError(
+            "TrainingArguments(fp16=True) scales the loss with a GradScaler, whose unscale and inf check "
+            "run after Sonar has updated the experts from the scaled gradients in backward. Use bf16=True or "
+            "fp32."
+        )
+    if args.torch_compile:
+        raise SonarUsageError(
+            "TrainingArguments(torch_compile=True) would compile the model again with another backend; "
+            "sonar_fx.compile(model, cfg, compiler=...) already compiled it with the Sonar pass. Set "
+            "torch_compile=False and choose the compiler in sonar_fx.compile."
+        )
+    _check_accumulation(args, optimizer)
+    _check_clip(args, optimizer)
+    _check_hyperparameters(args, optimizer)
+    _check_trainable(model, optimizer)
+
+
+def _check_accumulation(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
+    steps = args.gradient_accumulation_steps
+    if steps > 1 and optimizer.accumulation != "per_microbatch":
+        raise SonarUsageError(
+            f"TrainingArguments(gradient_accumulation_steps={steps}): Sonar updates the expert tensors "
+            "inside every backward, so accumulating would update them once per micro-batch (a different "
+            "optimizer). "
+            f"For the same effective batch, set gradient_accumulation_steps=1 and multiply "
+            f"per_device_train_batch_size by {steps}; to train with one expert update per micro-batch on "
+            "purpose, compile with sonar_fx.compile(..., accumulation='per_microbatch')."
+        )
+
+
+def _check_clip(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
+    if optimizer.cfg.clips:
+        raise SonarUsageError(
+            f"model.sonar clips the dense gradients itself (AdamWConfig.max_grad_norm="
+            f"{optimizer.cfg.max_grad_norm}), and the Trainer clips them too when TrainingArguments."
+            f"max_grad_norm > 0 (now {args.max_grad_norm}): a second clip is not a no-op. Clip once, in "
+            "the Trainer: compile with sonar_fx.integrations.hf.sonar_config(args) (Sonar's clip off) and "
+            "set the norm with TrainingArguments(max_grad_norm=...)."
+        )
+
+
+def _check_hyperparameters(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
+    wanted, built = sonar_config(args), optimizer.cfg
+    fields = ("lr", "betas", "eps", "weight_decay")
+    differ = [f"{f}: Trainer {getattr(wanted, f)!r}, model.sonar {getattr(built, f)!r}" for f in fields]
+    differ = [d for f, d in zip(fields, differ, strict=True) if getattr(wanted, f) != getattr(built, f)]
+    if differ:
+        raise SonarUsageError(
+            "model.sonar was built with other AdamW hyper-parameters than the TrainingArguments ("
+            + "; ".join(differ)
+            + "), so the Trainer's would be ignored. Compile with "
+            "sonar_fx.integrations.hf.sonar_config(args)."
+        )
+
+
+def _check_trainable(model: nn.Module, optimizer: SonarOptimizer) -> None:
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise SonarUsageError(
+            f"{len(missing)} trainable parameter(s) are not in model.sonar (e.g. {', '.join(missing[:3])}): "
+            "they were added or unfrozen after sonar_fx.compile (PEFT adapters, for one) and would never be "
+            "updated. Add adapters and set requires_grad before sonar_fx.compile; with TRL, apply the PEFT "
+            "config yourself first instead of passing peft_config."
+        )
+
+
+class SonarTrainerMixin:
+    """Put before a `Trainer` class (`class T(SonarTrainerMixin, Trainer)`): its optimizer is
+    `model.sonar`, its scheduler the Trainer's own, and its arguments are checked when it is built."""
+
+    sonar: SonarOptimizer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        self.sonar = sonar_of(trainer.model)
+        if trainer.optimizer is not None and trainer.optimizer is not self.sonar:
+            raise SonarUsageError(
+                f"optimizers=({type(trainer.optimizer).__name__}, ...): the optimizer of a Sonar model is "
+                "model.sonar, whose expert group is updated inside backward. Pass "
+                "optimizers=(None, scheduler) or leave it out; the scheduler may be your own."
+            )
+        if trainer.optimizer_cls_and_kwargs is not None:
+            raise SonarUsageError(
+                "optimizer_cls_and_kwargs cannot choose the optimizer of a Sonar model (it is model.sonar); "
+                "leave it out."
+            )
+        check_trainer_setup(trainer.args, trainer.model, self.sonar)
+        if trainer.args.weight_decay > 0:
+            warnings.warn(
+                f"SonarTrainer: weight_decay={trainer.args.weight_decay} applies to every tensor, norm "
+                "weights and biases included (the Trainer's own AdamW exempts those).",
+                stacklevel=2,
+            )
+
+    def create_optimizer(self, model: nn.Module | None = None) -> SonarOptimizer:
+        trainer: Any = self
+        check_trainer_setup(trainer.args, trainer.model, self.sonar)
+        trainer.optimizer = self.sonar
+        return self.sonar
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        trainer: Any = self
+        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        load_converted_weights_(model if model is not None else trainer.model, Path(resume_from_checkpoint))
+
+    def _load_best_model(self) -> None:
+        trainer: Any = self
+        super()._load_best_model()  # type: ignore[misc]
+        load_converted_weights_(trainer.model, Path(trainer.state.best_model_checkpoint))
+
+
+def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
+    """Load, in place, the weights the Trainer's resume could not: those `save_pretrained` wrote in the
+    checkpoint's original layout (transformers 5 saves batched MoE experts back as one tensor per
+    expert, and the Trainer's resume loads keys as they are, so every expert tensor would silently keep
+    its fresh value; `load_best_model_at_end` likewise). `from_pretrained` converts the layout, holding
+    one more copy of the model in CPU memory meanwhile; the tensors are then copied into the model's own
+    parameters, so Sonar's bindings and compiled graphs stay valid. Returns the names."""
+    saved = _checkpoint_keys(checkpoint)
+    if saved is None:
+        return []  # not a safetensors checkpoint: the Trainer's own load reported what it found
+    state = model.state_dict()
+    missing = [k for k in state if k not in saved]
+    if not missing:
+        return []
+    if not isinstance(model, PreTrainedModel):
+        raise RuntimeError(
+            f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. "
+            f"{missing[:3]}) and {type(model).__name__} is not a PreTrainedModel, whose from_pretrained "
+            "could convert them."
+        )
+    dtype = next(iter(state.values())).dtype
+    converted = type(model).from_pretrained(
+        checkpoint, config=model.config, dtype=dtype, local_files_only=True
+    )
+    source = converted.state_dict()
+    absent = [k for k in missing if k not in source]
+    if absent:
+        raise RuntimeError(f"{checkpoint}: the checkpoint holds no value for {absent[:3]}; cannot resume.")
+    with torch.no_grad():
+        for key in missing:
+            state[key].copy_(source[key])
+    return missing
+
+
+def _checkpoint_keys(checkpoint: Path) -> set[str] | None:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    single = checkpoint / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return set(f.keys())
+
+
+class SonarTrainer(SonarTrainerMixin, Trainer):
+    """`transformers.Trainer` training a model compiled by `sonar_fx.compile` (see the module docstring)."""
+
+
+def byte_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """The built-in byte tokenizer (`sonar_fx.data.ByteTokenizer`: bytes 0..255, PAD 256, BOS 257,
+    EOS 258) as a transformers tokenizer, built in memory, for trainers that need one (TRL's
+    `SFTTrainer`). It prepends BOS like `sonar_fx.data.encode_example`; nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # Byte-level pre-tokenization maps each byte to one printable character; BPE without merges then
+    # keeps one token per byte, and the vocabulary gives byte b the id b.
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])  # ids 256, 257, 258
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 257)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=model_max_length,
+    )

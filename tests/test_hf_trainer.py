@@ -1,0 +1,387 @@
+"""Sonar through transformers' Trainer and TRL's SFTTrainer: exact, resumable, and refusing what would
+train differently from what the arguments say.
+
+Every exactness claim is `torch.equal` on every parameter after a few Trainer steps against the SAME
+Trainer run with `torch.optim.AdamW(fused=True)` that clips only the dense gradients: there a callback
+clips them right before `optimizer.step()`, and the Trainer's own clip is off (it would clip the expert
+gradients too). Tiny models, built-in Alpaca-format data, one fixed sequence length (one compiled graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+pytest.importorskip("trl")
+
+from datasets import Dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+import sonar_fx
+from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to, synthetic_records
+from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config
+from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
+from sonar_fx.models import build_model
+
+from helpers import assert_same_weights, weights_differ
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay"),
+    # transformers' own deprecation notices, raised from inside TRL's and PEFT's calls.
+    pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+MODELS = ["tiny-qwen3moe", "tiny-olmoe"]
+SEQ = 256
+TOKENIZER = ByteTokenizer()
+RECORDS = synthetic_records(12)
+EXAMPLES = encode_records(RECORDS, TOKENIZER, SEQ).examples
+# lr large enough to move weights visibly in 3 steps; max_grad_norm small enough that the clip is active.
+HYPER = dict(learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.01)
+QUIET = dict(report_to=[], logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_cpu=True)
+
+
+def collate_fixed(batch):
+    return pad_to(collate(batch, TOKENIZER.pad_id), SEQ, TOKENIZER.pad_id)
+
+
+def training_args(out, cls=TrainingArguments, **overrides) -> TrainingArguments:
+    fields = dict(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=3, max_grad_norm=0.5, seed=0,
+        save_strategy="no", **HYPER, **QUIET,
+    )  # fmt: skip
+    return cls(**{**fields, **overrides})
+
+
+class DenseOnlyClip(TrainerCallback):
+    """The twin's clip: only the dense gradients, right before `optimizer.step()`."""
+
+    def __init__(self, dense: list[nn.Parameter], max_norm: float) -> None:
+        self.dense, self.max_norm = dense, max_norm
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        torch.nn.utils.clip_grad_norm_(self.dense, self.max_norm)
+
+
+def standard_trainer(model, args, trainer_cls=Trainer, *, dense_only_clip=True, **kwargs):
+    """The twin: fused AdamW over every parameter, clipping dense gradients only (or, as a negative
+    control, every gradient with the Trainer's own clip)."""
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=True,
+    )  # fmt: skip
+    callbacks = []
+    if dense_only_clip:
+        experts = {id(t.param) for layer in sonar_fx.discover_experts(model) for t in layer.tensors}
+        callbacks = [
+            DenseOnlyClip([p for p in model.parameters() if id(p) not in experts], args.max_grad_norm)
+        ]
+        args.max_grad_norm = 0.0
+    return trainer_cls(model=model, args=args, optimizers=(opt, None), callbacks=callbacks, **kwargs)
+
+
+def trainer_data():
+    return dict(train_dataset=EXAMPLES, data_collator=collate_fixed)
+
+
+@functools.cache
+def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
+    model = build_model(model_name, seed=0)
+    trainer = standard_trainer(
+        model, training_args("unused"), dense_only_clip=dense_only_clip, **trainer_data()
+    )
+    trainer.train()
+    return model
+
+
+def sonar_run(model: nn.Module, compiler: str, out="unused", **compile_kwargs):
+    torch._dynamo.reset()
+    args = training_args(out)
+    model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, **compile_kwargs)
+    trainer = SonarTrainer(model=model, args=args, **trainer_data())
+    trainer.train()
+    return model, trainer
+
+
+# ---------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("model_name", MODELS)
+def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, compiler):
+    model, trainer = sonar_run(build_model(model_name, seed=0), compiler)
+    assert_same_weights(model, standard_run(model_name))
+    assert weights_differ(model, build_model(model_name, seed=0))
+    assert trainer.optimizer.optimizer is model.sonar  # accelerate's wrapper around Sonar's optimizer
+    report = model.sonar.report()
+    path = "updates_in_graph" if compiler == "aot_eager" else "updates_by_hook"
+    assert report[path] == 3 * 4 and report["fallbacks"] == []
+    # The Trainer's own linear schedule drove both groups: after 3 of 3 steps the LR is 0.
+    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+
+
+def test_the_trainers_clip_of_every_gradient_is_not_the_twin():
+    """Teeth: standard AdamW under the Trainer's own clip (expert gradients included) must differ from
+    the twin (which Sonar equals, above)."""
+    assert weights_differ(standard_run("tiny-qwen3moe"), standard_run("tiny-qwen3moe", dense_only_clip=False))
+
+
+def test_a_second_clip_is_not_a_no_op():
+    """Why Sonar refuses to clip when the Trainer does: clipping an already clipped set scales it again."""
+    grads = [torch.randn(5, 7, generator=torch.Generator().manual_seed(i)) * 3 for i in range(3)]
+    once = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    twice = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(once + twice, grads + grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(once, 0.5)
+    torch.nn.utils.clip_grad_norm_(twice, 0.5)
+    torch.nn.utils.clip_grad_norm_(twice, 0.5)
+    assert any(not torch.equal(a.grad, b.grad) for a, b in zip(once, twice, strict=True))
+
+
+def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
+    """TRL's defaults (bf16 autocast through accelerate, gradient checkpointing) on prompt-completion
+    Alpaca rows tokenized by the byte tokenizer: the same tokens and masks as `sonar_fx.data`."""
+    tokenizer = byte_tokenizer()
+    data = Dataset.from_list(prompt_completion(RECORDS))
+
+    def run(sonar: bool):
+        args = training_args(tmp_path, SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2)
+        assert args.bf16 and args.gradient_checkpointing  # TRL's defaults, kept on purpose
+        model = build_model("tiny-qwen3moe", seed=0)
+        if sonar:
+            model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
+            trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        else:
+            trainer = standard_trainer(
+                model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer
+            )
+        trainer.train()
+        return model, trainer
+
+    sonar_model, trainer = run(sonar=True)
+    row, expected = trainer.train_dataset[0], encode_example(RECORDS[0], TOKENIZER, SEQ)
+    assert (row["input_ids"], row["labels"]) == (expected["input_ids"], expected["labels"])
+    assert sonar_model.sonar.report()["updates_by_hook"] == 2 * 4
+    standard_model, _ = run(sonar=False)
+    assert_same_weights(sonar_model, standard_model)
+    assert weights_differ(sonar_model, build_model("tiny-qwen3moe", seed=0))
+
+
+# ------------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler):
+    """Three models in one process share one compiled graph (bound at run time to each model)."""
+    torch._dynamo.reset()
+
+    def trainer(out, max_steps):
+        args = training_args(out, max_steps=max_steps, save_strategy="steps", save_steps=2)
+        model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler=compiler)
+        return model, SonarTrainer(model=model, args=args, **trainer_data())
+
+    whole, t = trainer(tmp_path / "whole", 4)
+    t.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    assert [g["name"] for g in state["param_groups"]] == ["dense", "experts"]
+    assert len(state["state"]) == sum(1 for _ in whole.parameters())  # expert moments included
+
+    resumed, t = trainer(tmp_path / "resumed", 4)
+    t.train(resume_from_checkpoint=str(checkpoint))
+    assert_same_weights(resumed, whole)
+    assert resumed.sonar.state_dict()["state"].keys() == whole.sonar.state_dict()["state"].keys()
+    for key, s in resumed.sonar.state_dict()["state"].items():
+        other = whole.sonar.state_dict()["state"][key]
+        assert all(torch.equal(s[k], other[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+    if compiler != "eager":
+        return
+    # Teeth: the same resume without the optimizer state file must not match.
+    (checkpoint / "optimizer.pt").unlink()
+    fresh, t = trainer(tmp_path / "fresh", 4)
+    t.train(resume_from_checkpoint=str(checkpoint))
+    assert weights_differ(fresh, whole)
+
+
+def test_load_best_model_at_end_restores_the_expert_tensors_too(tmp_path):
+    """The best checkpoint is made the earlier one (highest loss "best"), so loading it must move every
+    tensor back, experts included, to what from_pretrained reads from that checkpoint."""
+    args = training_args(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+    )  # fmt: skip
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    trainer = SonarTrainer(model=model, args=args, eval_dataset=EXAMPLES[:2], **trainer_data())
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
+    assert_same_weights(model, type(model).from_pretrained(trainer.state.best_model_checkpoint))
+
+
+# ----------------------------------------------------------------- what Trainer and accelerate read
+
+
+def _columns(model, args) -> tuple[list[str], bool]:
+    trainer = Trainer(model=model, args=args, **trainer_data())
+    trainer._set_signature_columns_if_needed()
+    return trainer._signature_columns, trainer.model_accepts_loss_kwargs
+
+
+@pytest.mark.parametrize("regional", [False, True])
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager", "inductor"])
+def test_the_trainers_column_filter_sees_the_models_forward(tmp_path, compiler, regional):
+    args = training_args(tmp_path)
+    expected = _columns(build_model("tiny-qwen3moe", seed=0), args)
+    assert {"input_ids", "attention_mask", "labels"} <= set(expected[0])
+    model = build_model("tiny-qwen3moe", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # regional=True turns the KV cache off, with a warning
+        model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, regional=regional)
+    assert _columns(model, args) == expected
+
+
+def test_accelerate_mixed_precision_wraps_and_unwraps_the_compiled_forward():
+    """accelerate's bf16 autocast rewraps `forward.__func__` and its unwrap binds what it finds with
+    MethodType: both must keep the compiled forward and the model's signature."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier Trainers set fp32; as Trainer does
+    model = build_model("tiny-qwen3moe", seed=0)
+    signature = inspect.signature(model.forward)
+    model = sonar_fx.compile(model, sonar_fx.AdamWConfig(max_grad_norm=None), compiler="aot_eager")
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    assert accelerator.native_amp
+    accelerator.prepare(model)
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        assert inspect.signature(model.forward) == signature
+        model(ids, labels=ids).loss.backward()  # positional input_ids: the module must not be passed twice
+        model.sonar.step()
+        model.sonar.zero_grad()
+        model = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    report = model.sonar.report()
+    assert report["updates_in_graph"] == 2 * 4 and report["updates_by_hook"] == 0
+    assert report["fallbacks"] == []
+
+
+def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
+    """A dynamo failure (graph break under fullgraph=True) falls back to the hooks: same columns, same
+    weights as the twin."""
+    model = build_model("tiny-qwen3moe", seed=0)
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    with pytest.warns(UserWarning, match="sonar: compilation failed"):
+        model, trainer = sonar_run(model, "aot_eager", tmp_path, fullgraph=True)
+    assert trainer._signature_columns == _columns(build_model("tiny-qwen3moe", seed=0), trainer.args)[0]
+    assert model.sonar.report()["updates_by_hook"] == 3 * 4 and len(model.sonar.report()["fallbacks"]) == 1
+    assert_same_weights(model, standard_run("tiny-qwen3moe"))
+
+
+# ------------------------------------------------------------------------------------- refusals
+
+
+def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overrides):
+    args = training_args(tmp_path, **arg_overrides)
+    cfg = dataclasses.replace(sonar_config(args), **(cfg_changes or {}))
+    model = sonar_fx.compile(
+        build_model("tiny-olmoe", seed=0), cfg, compiler="eager", **(compile_kwargs or {})
+    )
+    return model, lambda **kw: SonarTrainer(model=model, args=args, **trainer_data(), **kw)
+
+
+@pytest.mark.parametrize(
+    ("cfg_changes", "arg_overrides", "match"),
+    [
+        ({"max_grad_norm": 0.5}, {}, "second clip is not a no-op"),
+        ({"max_grad_norm": 0.5}, {"max_grad_norm": 0.0}, "Clip once, in the Trainer"),
+        ({"lr": 1e-3}, {}, r"lr: Trainer 0\.01, model\.sonar 0\.001"),
+        ({"betas": (0.9, 0.999)}, {}, r"betas: Trainer \(0\.9, 0\.95\)"),
+        ({}, {"gradient_accumulation_steps": 2}, "multiply per_device_train_batch_size by 2"),
+        ({}, {"optim": "sgd"}, "optim='sgd'"),
+        ({}, {"torch_compile": True}, "torch_compile=False"),
+        ({}, {"fp16": True}, "Use bf16=True or fp32"),
+    ],
+)
+def test_settings_that_would_train_differently_are_refused(tmp_path, cfg_changes, arg_overrides, match):
+    _, build = _sonar_trainer(tmp_path, cfg_changes, **arg_overrides)
+    with pytest.raises(sonar_fx.SonarUsageError, match=match):
+        build()
+
+
+def test_another_optimizer_and_late_trainable_parameters_are_refused(tmp_path):
+    model, build = _sonar_trainer(tmp_path)
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"optimizers=\(AdamW"):
+        build(optimizers=(adamw, None))
+    model.model.extra_scale = nn.Parameter(torch.ones(1))  # e.g. an adapter added after compile
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"model\.extra_scale"):
+        build()
+
+
+def test_per_microbatch_accumulation_when_asked(tmp_path):
+    """gradient_accumulation_steps=2 with accumulation='per_microbatch': one expert update per
+    micro-batch (announced), one dense step per optimizer step."""
+    model, build = _sonar_trainer(
+        tmp_path,
+        compile_kwargs={"accumulation": "per_microbatch"},
+        gradient_accumulation_steps=2,
+        max_steps=2,
+    )
+    trainer = build()
+    with pytest.warns(UserWarning, match="once per micro-batch"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert model.sonar.report()["updates_by_hook"] == 2 * 2 * 4
+    dense = model.sonar.state[model.model.embed_tokens.weight]
+    assert dense["step"].item() == 2
+
+
+def _lora_with_trainable_experts(model):
+    """LoRA on attention, experts fully trained: a PeftModel wrapping the MoE model."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, param in wrapped.named_parameters():
+        if ".mlp.experts." in name:  # PEFT froze every base parameter
+            param.requires_grad_(True)
+    return wrapped
+
+
+def test_peft_applied_before_compile_trains_exactly_and_after_compile_is_refused(tmp_path):
+    args = training_args(tmp_path, max_steps=2)
+    standard = _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0))
+    standard_trainer(standard, training_args(tmp_path, max_steps=2), **trainer_data()).train()
+
+    model = _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0))
+    model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
+    trainer = SonarTrainer(model=model, args=args, **trainer_data())
+    trainer._set_signature_columns_if_needed()  # the Trainer reads the base model's forward under PEFT
+    assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
+    trainer.train()
+    assert model.sonar.report()["updates_by_hook"] == 2 * 4
+    assert_same_weights(model, standard)
+    moved = weights_differ(model, _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0)))
+    assert any("lora_B" in n for n in moved) and any("experts" in n for n in moved)
+
+    late = _lora_with_trainable_experts(
+        sonar_fx.compile(build_model("tiny-qwen3moe", seed=0), sonar_config(args))
+    )
+    with pytest.raises(sonar_fx.SonarUsageError, match="lora_A"):
+        SonarTrainer(model=late, args=args, **trainer_data())
+
+
+def test_the_example_fine_tunes_and_the_held_out_loss_falls(tmp_path):
+    from examples.hf_trainer_alpaca import main
+
+    result = main(
+        ["--compiler", "eager", "--steps", "2", "--records", "24", "--held-out", "8", "--out", str(tmp_path)]
+    )
+    assert result["eval_loss_after"] < result["eval_loss_before"]
