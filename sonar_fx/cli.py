@@ -193,7 +193,8 @@ def _finetune(args: argparse.Namespace) -> int:
     peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
     world = f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.parallel is not None else ""
     print(
-        f"done: {summary['steps_done']} steps{world}; held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
+        f"done: {summary['steps_done']} steps{world}; "
+        f"held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
         f"{_fmt(summary['held_out_loss'])}; median step {_fmt(summary['median_step_ms'], '.1f')} ms; "
         f"{_fmt(summary['supervised_tokens_per_s'], '.0f')} supervised tokens/s; "
         f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"

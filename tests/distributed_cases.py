@@ -10,6 +10,7 @@ parts: a reduction that updates from the local gradient.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -221,7 +222,28 @@ def ddp_aot_eager(rank: int) -> dict[str, Any]:
         torch._dynamo.reset()
         twin = ddp_standard(rank, torch.bfloat16, "aot_eager", "tiny-reference")
         out["no_all_reduce"] = outcome(model, twin, compiled.sonar)
+        out["pass_fails"] = _pass_fails(rank, twin)
     return out
+
+
+def _pass_fails(rank: int, twin: nn.Module) -> dict[str, Any]:
+    """A compiler failure in a DDP graph: it runs eagerly and the all-reducing hooks update, exactly."""
+    from unittest import mock
+
+    from sonar_fx import compiled
+    from sonar_fx.backend import make_sonar_backend
+
+    from ablations import failing_pass
+
+    def fails_with_reduce(bw_gm, example_inputs=None, *, fw_gm, expert_inputs, reduce):
+        return failing_pass(bw_gm, example_inputs, fw_gm=fw_gm, expert_inputs=expert_inputs)
+
+    torch._dynamo.reset()
+    failing = make_sonar_backend("aot_eager", bw_pass=fails_with_reduce)
+    with warnings.catch_warnings(), mock.patch.object(compiled, "sonar_backend", lambda *a, **k: failing):
+        warnings.simplefilter("ignore")
+        model, opt = ddp_sonar(rank, torch.bfloat16, "tiny-reference", compiler="aot_eager")
+    return {**outcome(model, twin, opt), "reduced_here": opt.distributed.reduced_here}
 
 
 def ddp_inductor(rank: int) -> dict[str, Any]:

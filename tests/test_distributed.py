@@ -61,6 +61,12 @@ def test_ddp_aot_eager_one_graph_and_ddp_optimizer_subgraphs(tmp_path):
     bare = [r["no_all_reduce"] for r in ranks]
     assert all(run["in_graph"] == UPDATES and run["differ"] for run in bare)
     assert len({run["digest"] for run in bare}) == 2
+    # A graph whose compile fails runs eagerly: the hooks all-reduce, never a local update.
+    failed = [r["pass_fails"] for r in ranks]
+    for run in failed:
+        assert run["differ"] == [] and run["by_hook"] == UPDATES and run["reduced_here"] == UPDATES
+        assert run["fallbacks"] == ["RuntimeError: sonar: injected compiler failure"]
+    assert len({run["digest"] for run in failed}) == 1
 
 
 @pytest.mark.slow
