@@ -20,8 +20,9 @@ runs it after every read of the weight; at run time the op finds the parameter (
 from those aliases, so nothing in the graph names a particular parameter and a graph dynamo reuses for
 another module updates that module's tensors. An expert whose weight the backward graph never sees
 (no saved alias) keeps its gradient output: the eager hook updates it after the graph returns.
-Counters go to `torch._dynamo.utils.counters["sonar"]`: "graphs", "updates", "kind:<producer kind>",
-"left_to_hooks".
+With `reduce` (data parallel training, see `reduce_grads`), each gradient is averaged across ranks
+by a functional all-reduce before its update. Counters go to `torch._dynamo.utils.counters["sonar"]`:
+"graphs", "updates", "all_reduces", "kind:<producer kind>", "left_to_hooks".
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.fx import GraphModule, Node
 
 from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
 from sonar_fx.passes.graph_utils import node_order
+from sonar_fx.passes.reduce_grads import GraphReduce, insert_all_reduce, insert_wait, wait_anchor
 
 UPDATE_OP_NAME = "sonar_fx::expert_update_"
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
@@ -46,21 +48,33 @@ def expert_update_pass(
     *,
     fw_gm: GraphModule,
     expert_inputs: Collection[int],
+    reduce: GraphReduce | None = None,
 ) -> GraphModule:
     """Insert one `sonar_fx::expert_update_` per expert gradient of `bw_gm`; return it rewritten.
 
     `example_inputs` is accepted for the common pass signature; the pass reads fake values from node
-    metadata instead. Raises if the graph cannot be mapped (the backend then falls back).
+    metadata instead. `reduce`: all-reduce each gradient (mean over ranks) before its update. Raises if
+    the graph cannot be mapped (the backend then falls back).
     """
     grads = find_expert_grads(fw_gm, bw_gm, expert_inputs)
     (output,) = bw_gm.graph.find_nodes(op="output")
     returned = list(output.args[0])
     inserted = []
+    order = node_order(bw_gm.graph)
+    producers = [eg.producer for eg in grads if eg.aliases]
     for eg in grads:
         if not eg.aliases:
             counters["sonar"]["left_to_hooks"] += 1
             continue
-        insert_update(bw_gm, eg, anchor=last_reader(bw_gm, eg), aliases=eg.aliases)
+        reader = last_reader(bw_gm, eg)
+        if reduce is None:
+            insert_update(bw_gm, eg, anchor=reader, aliases=eg.aliases)
+        else:
+            work = insert_all_reduce(bw_gm, eg, reduce)
+            anchor = wait_anchor(eg, reader, producers, order)
+            wait = insert_wait(bw_gm, work, after=work if order[anchor] <= order[eg.grad] else anchor)
+            insert_update(bw_gm, eg, anchor=wait, aliases=eg.aliases, grad=wait, reduced=reduce.tag)
+            counters["sonar"]["all_reduces"] += 1
         returned[eg.input_index] = None
         inserted.append((eg.input_index, eg.kind))
         counters["sonar"]["updates"] += 1
@@ -80,11 +94,20 @@ def last_reader(bw_gm: GraphModule, eg: ExpertGrad) -> Node:
     return max((eg.grad, *eg.readers), key=order.__getitem__)
 
 
-def insert_update(bw_gm: GraphModule, eg: ExpertGrad, *, anchor: Node, aliases: Sequence[Node]) -> Node:
-    """Insert `expert_update_(eg.grad, aliases)` right after `anchor`."""
+def insert_update(
+    bw_gm: GraphModule,
+    eg: ExpertGrad,
+    *,
+    anchor: Node,
+    aliases: Sequence[Node],
+    grad: Node | None = None,
+    reduced: str = "",
+) -> Node:
+    """Insert `expert_update_(grad or eg.grad, aliases, reduced)` right after `anchor`."""
     graph = bw_gm.graph
+    args: tuple[Any, ...] = (grad or eg.grad, list(aliases), *((reduced,) if reduced else ()))
     with graph.inserting_after(anchor):
-        update = graph.call_function(update_op(), (eg.grad, list(aliases)))
+        update = graph.call_function(update_op(), args)
     update.meta = {k: eg.producer.meta[k] for k in _META_KEYS if k in eg.producer.meta}
     update.meta["val"] = None
     return update

@@ -19,6 +19,7 @@ from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import OPTIMIZER_CONFIGS, OptimizerConfig
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
+from sonar_fx.optim.reduction import GradReduction
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -33,12 +34,14 @@ def prepare(
     accumulation: Accumulation = None,
     nonfinite: NonFinite = "raise",
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
+    distributed: GradReduction | None = None,
 ) -> SonarOptimizer:
     """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
     `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
     untouched and the error names it), "skip" (the step is skipped and counted) or "ignore".
     `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
-    the dense parameters ("dense": clipped, updated at `step()`)."""
+    the dense parameters ("dense": clipped, updated at `step()`).
+    `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig or LionConfig, got "
@@ -57,7 +60,10 @@ def prepare(
             "parameter objects, and Sonar trains the objects it was given."
         )
     layers = discover_experts(model, experts, expert_biases=expert_biases)
-    _refuse_gradient_reducing_wrappers(model, layers)
+    if distributed is None:
+        _refuse_gradient_reducing_wrappers(model, layers)
+    else:
+        _refuse_untested_distributed(opt_cfg, distributed)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -66,6 +72,7 @@ def prepare(
         [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in dense], param_order=[p for _, p in trainable],
     )  # fmt: skip
+    optimizer.distributed = distributed
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
 
@@ -90,6 +97,7 @@ def compile(
     nonfinite: NonFinite = "raise",
     regional: bool = False,
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
+    distributed: GradReduction | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
@@ -112,6 +120,7 @@ def compile(
         accumulation=accumulation,
         nonfinite=nonfinite,
         expert_biases=expert_biases,
+        distributed=distributed,
     )
     if compiler == "eager":
         return model
@@ -155,8 +164,26 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
         )
 
 
+def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
+    """Distributed engines train with 32-bit states and expert_clip None or "per_tensor"; the rest is
+    refused rather than run unverified (global clipping runs a second, expert-only backward that a
+    gradient-reducing engine does not expect)."""
+    if opt_cfg.expert_clip == "global":
+        raise SonarUsageError(
+            f"expert_clip='global' is not supported with sonar_fx.distributed ({distributed.name}): use "
+            "expert_clip='per_tensor' or None."
+        )
+    state_bits = getattr(opt_cfg, "state_bits", 32)
+    if state_bits != 32:
+        raise SonarUsageError(
+            f"state_bits={state_bits} is not supported with sonar_fx.distributed "
+            f"({distributed.name}): train with state_bits=32."
+        )
+
+
 def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:
-    """Experts under a wrapper that reduces gradients after backward would be updated from local ones."""
+    """Experts under a wrapper that reduces gradients after backward would be updated from local ones:
+    point to `sonar_fx.distributed`, which sets the engine up so that they are not."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrappers: list[tuple[str, nn.Module]] = [
@@ -166,11 +193,18 @@ def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLaye
         prefix = f"{wrapper_name}." if wrapper_name else ""
         inside = [t.name for layer in layers for t in layer.tensors if t.name.startswith(prefix)]
         if inside:
+            fix = (
+                "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model (it keeps the experts out of "
+                "DDP's buckets and all-reduces each expert gradient before its update)"
+                if isinstance(wrapper, DistributedDataParallel)
+                else "sonar_fx.distributed.fsdp2(model, cfg) on the unwrapped model (FSDP2's fully_shard "
+                "reduce-scatters each expert gradient before Sonar's hook updates the shard; FSDP1's flat "
+                "parameters are not supported)"
+            )
             raise SonarUsageError(
                 f"{inside[0]} is an expert tensor managed by {type(wrapper).__name__}, which reduces "
-                "gradients across ranks after backward: Sonar's in-backward update would see this rank's "
-                "local gradient and train silently wrong. Supported today: one process (no data-parallel "
-                "wrapper); a wrapper added after prepare is caught at the first expert update."
+                "gradients across ranks after backward: a plain prepare/compile would update it from this "
+                f"rank's local gradient and train silently wrong. Use {fix}."
             )
 
 

@@ -8,6 +8,10 @@ see the forward graph's saved values. Which parameter an update applies to is de
 Inductor's caches key on the partitioner's uuid (the pass, the runtime op and this file's source, and
 the expert input indices), so they never serve a graph compiled without the pass. A compiler failure
 warns once and runs the graph eagerly, where the expert hooks do the updates; it never trains wrong.
+Distributed runs: when the owning optimizer's reduction asks for it (DDP), the pass all-reduces each
+expert gradient in the graph; under DDP's optimizer, which compiles bucket-sized subgraphs from fake
+tensors, expert inputs are recognised through the fake mode's memo of the real parameters; an engine
+that reduces after the graph (FSDP2) keeps its experts out of the pass, for the hooks.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
 import sonar_fx.runtime
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.passes import insert_updates
 from sonar_fx.passes.insert_updates import expert_update_pass
+from sonar_fx.passes.reduce_grads import GraphReduce
 from sonar_fx.runtime import registry
 
 BackendCompiler = Literal["inductor", "aot_eager"]
@@ -45,9 +51,16 @@ _SOURCES = (
 class SonarPartitioner(CustomPartitionerFn):
     """Default min-cut partition, then the expert-update pass on the backward graph."""
 
-    def __init__(self, expert_inputs: Collection[int], *, bw_pass: BackwardPass = expert_update_pass) -> None:
+    def __init__(
+        self,
+        expert_inputs: Collection[int],
+        *,
+        bw_pass: BackwardPass = expert_update_pass,
+        reduce: GraphReduce | None = None,
+    ) -> None:
         self.expert_inputs = frozenset(expert_inputs)
         self.bw_pass = bw_pass
+        self.reduce = reduce
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
 
@@ -60,12 +73,14 @@ class SonarPartitioner(CustomPartitionerFn):
             # A nested subgraph: its inputs are not the dynamo graph's, so the input map does not apply.
             # Its expert gradients flow out as usual and the hooks update them.
             return fw_gm, bw_gm
-        bw_gm = self.bw_pass(bw_gm, fw_gm=fw_gm, expert_inputs=self.expert_inputs)
+        knobs = {"reduce": self.reduce} if self.reduce is not None else {}
+        bw_gm = self.bw_pass(bw_gm, fw_gm=fw_gm, expert_inputs=self.expert_inputs, **knobs)
         self.inserted += len(bw_gm.meta["sonar_updates"])
         return fw_gm, bw_gm
 
     def uuid(self) -> Any:
-        knobs = f"{sorted(self.expert_inputs)}|{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
+        bw_pass = f"{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
+        knobs = f"{sorted(self.expert_inputs)}|{bw_pass}|{self.reduce}"
         return get_hash_for_files(_SOURCES, knobs).hex()
 
 
@@ -89,9 +104,13 @@ def make_sonar_backend(
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
     def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        owners = {i: o for i, x in enumerate(example_inputs) if (o := _owner(x)) is not None}
+        owners = expert_owners(example_inputs)
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
-        partitioner = SonarPartitioner(owners, bw_pass=bw_pass)
+        reduce = graph_reduce(optimizer)
+        reduction = optimizer.distributed if optimizer is not None else None
+        if reduction is not None and reduction.in_graph == "hooks":
+            owners = {}  # the engine reduces after the graph returns: the hooks update
+        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, reduce=reduce)
         cache_hits = _aot_cache_hits()
         try:
             compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
@@ -107,8 +126,33 @@ def make_sonar_backend(
     return backend
 
 
-def _owner(x: object) -> object | None:
-    return registry.owner_of(x) if isinstance(x, torch.Tensor) else None
+def expert_owners(example_inputs: Sequence[object]) -> dict[int, object]:
+    """Input index -> owner, for the inputs that are bound expert parameters. A fake input (a subgraph
+    of DDP's optimizer) counts when its fake mode made it from a bound parameter."""
+    owners: dict[int, object] = {}
+    fakes: dict[int, int] = {}
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, FakeTensor):
+            fakes[id(x)] = i
+        elif isinstance(x, torch.Tensor) and (owner := registry.owner_of(x)) is not None:
+            owners[i] = owner
+    modes = {id(x.fake_mode): x.fake_mode for x in example_inputs if isinstance(x, FakeTensor)}
+    for param, owner in registry.bound() if fakes else ():
+        for mode in modes.values():
+            fake = mode.fake_tensor_converter._get_memo(param)
+            if fake is not None and id(fake) in fakes:
+                owners[fakes[id(fake)]] = owner
+    return owners
+
+
+def graph_reduce(optimizer: SonarOptimizer | None) -> GraphReduce | None:
+    """The all-reduce a graph applies to the experts of `optimizer` (data parallel), or None."""
+    reduction = optimizer.distributed if optimizer is not None else None
+    if reduction is None or reduction.in_graph != "all_reduce":
+        return None
+    if reduction.group_name is None:
+        raise ValueError(f"{reduction.name}: in_graph='all_reduce' needs a process group name")
+    return GraphReduce(reduction.group_name, reduction.world_size)
 
 
 def _compile(

@@ -35,6 +35,7 @@ from sonar_fx.trainer import (
     plan_run,
     run_plan,
 )
+from sonar_fx.trainer.parallel import ENGINES
 from sonar_fx.trainer.signals import SecondSignal
 from sonar_fx.trainer.validate import field_error
 
@@ -130,6 +131,9 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--nonfinite", choices=("raise", "skip", "ignore"), default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
+    add("--parallel", choices=ENGINES, default=None,
+        help="under torchrun: data parallel with DDP, FSDP2 (fully_shard) or expert parallelism (ep); "
+        "rank 0 logs and writes")  # fmt: skip
     _add_run_flags(p, d)
 
 
@@ -191,6 +195,8 @@ def _finetune(args: argparse.Namespace) -> int:
         return 0
     result = run_plan(plan, handle_signals=True)
     summary, outcome = result.summary, result.outcome
+    if plan.parallel is not None and not plan.parallel.writer:  # rank 0 speaks for the run
+        return EXIT_SIGNAL_BASE + outcome.signum if outcome.signum is not None else 0
     if outcome.signum is not None:
         print(
             f"stopped by {outcome.stopped_by} after step {outcome.steps_done}"
@@ -201,8 +207,10 @@ def _finetune(args: argparse.Namespace) -> int:
         return EXIT_SIGNAL_BASE + outcome.signum
     mem = summary["memory"]
     peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
+    world = f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.parallel is not None else ""
     print(
-        f"done: {summary['steps_done']} steps; held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
+        f"done: {summary['steps_done']} steps{world}; "
+        f"held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
         f"{_fmt(summary['held_out_loss'])}; median step {_fmt(summary['median_step_ms'], '.1f')} ms; "
         f"{_fmt(summary['supervised_tokens_per_s'], '.0f')} supervised tokens/s; "
         f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"

@@ -1,36 +1,67 @@
-"""Workers for the 2-process gloo tests: each runs in its own process, on loopback only.
+"""Workers for the multi-process gloo tests: each runs in its own process, on loopback only.
 
-A worker writes what it saw to `<out>/rank<r>.json`; the test reads the files after both processes
-ended (an exception in a worker fails `torch.multiprocessing.spawn` in the test).
+`run("module:function", out, world=2)` starts `world` processes, each running `function(rank)` from
+`module` (default: this one) under a gloo group, and waits at most `timeout_s`: a process that hangs
+(a collective some rank never joins) is killed and the test fails with a TimeoutError, so no test
+process outlives its test. A worker writes what it saw to `<out>/rank<r>.json`; the test reads the
+files after every process ended (an exception in a worker fails `run`).
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 WORLD = 2
+TIMEOUT_S = 300
 
 
-def run(fn_name: str, out: str, port: int) -> None:
-    """Spawn `WORLD` processes running `fn_name(rank, out)` under a gloo group; wait for them."""
-    torch.multiprocessing.spawn(_entry, args=(fn_name, out, port), nprocs=WORLD, join=True)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def results(out: str) -> list[dict]:
-    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def run(
+    fn_name: str, out: str, port: int | None = None, *, world: int = WORLD, timeout_s: int = TIMEOUT_S
+) -> None:
+    """Run `fn_name(rank)` on `world` gloo processes; raise if one fails or all take over `timeout_s`."""
+    port = port or free_port()
+    context = torch.multiprocessing.start_processes(
+        _entry, args=(fn_name, out, port, world, timeout_s), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            for process in context.processes:
+                process.join()
+            raise TimeoutError(f"{fn_name} on {world} processes did not end within {timeout_s} s")
 
 
-def _entry(rank: int, fn_name: str, out: str, port: int) -> None:
+def results(out: str, world: int = WORLD) -> list[dict]:
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _entry(rank: int, fn_name: str, out: str, port: int, world: int, timeout_s: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    module_name, _, name = fn_name.rpartition(":")
+    fn = getattr(importlib.import_module(module_name or __name__), name)
     try:
-        result = globals()[fn_name](rank)
+        result = fn(rank)
     finally:
         dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))

@@ -134,12 +134,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_managed_experts_are_refused_on_two_gloo_processes(tmp_path):
+def test_plain_prepare_of_ddp_experts_is_refused_and_names_the_supported_call(tmp_path):
+    """DDP itself is supported through sonar_fx.distributed.ddp (tests/test_distributed.py); a plain
+    prepare of a DDP-wrapped model, or a DDP wrapper added after prepare, would update from local
+    gradients and is refused."""
     distributed_worker.run("ddp_guard", str(tmp_path), _free_port())
     for seen in distributed_worker.results(str(tmp_path)):
         expert = "module.model.layers.0.mlp.experts.gate_up_proj"
         assert seen["prepare_ddp"].startswith(
             f"{expert} is an expert tensor managed by DistributedDataParallel"
         )
+        assert "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model" in seen["prepare_ddp"]
         assert "this rank's local one" in seen["wrapped_after_prepare"]
+        assert "sonar_fx.distributed" in seen["wrapped_after_prepare"]
         assert seen["experts_unchanged"] == "True"

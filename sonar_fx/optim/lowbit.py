@@ -104,8 +104,13 @@ class LowBitAdamRule(UpdateRule):
 
 
 def is_lowbit(t: object) -> bool:
-    """A torchao quantized state tensor (a tensor subclass with inner tensors)."""
-    return isinstance(t, Tensor) and type(t) is not Tensor and hasattr(t, "__tensor_flatten__")
+    """A torchao quantized state tensor (a torchao subclass with inner tensors; an FSDP2 state's
+    DTensor is a subclass too, and DCP needs it whole)."""
+    return (
+        isinstance(t, Tensor)
+        and type(t).__module__.startswith("torchao.")
+        and hasattr(t, "__tensor_flatten__")
+    )
 
 
 def pack_state(t: Tensor) -> dict[str, Any]:

@@ -28,6 +28,13 @@ def tensor_norm(grad: Tensor) -> Tensor:
     return torch._foreach_norm([grad], 2.0)[0]
 
 
+def plain(norm: Tensor) -> Tensor:
+    """A norm as a plain tensor: an FSDP2 shard's norm is a DTensor (partial over ranks: the whole
+    tensor's norm is one scalar all-reduce, which every rank runs at the same point)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
+
+
 def total_norm(norms: Sequence[Tensor]) -> Tensor:
     """The norm of per-tensor norms listed in parameter order, grouped by (device, dtype) as
     `torch.nn.utils.get_total_norm` groups them (order of first appearance, stable within a group)."""
@@ -102,7 +109,7 @@ class ExpertClipper:
             return self.current.experts[name]
         if self.mode is None and not self.track_norms:
             return None
-        norm = self.current.experts[name] = tensor_norm(grad)
+        norm = self.current.experts[name] = plain(tensor_norm(grad))
         return norm
 
     def clip(self, name: str, grad: Tensor, owned: bool) -> Tensor:

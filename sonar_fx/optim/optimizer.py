@@ -26,7 +26,8 @@ from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim import lowbit
 from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
 from sonar_fx.optim.errors import NonFiniteGradientError, SonarUsageError
-from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, tensor_norm, total_norm
+from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, tensor_norm, total_norm
+from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.rules import rule_for
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
@@ -73,8 +74,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
         self.compiler = "eager"
-        self.distributed: str | None = None
-        """The distributed setup that reduces expert gradients before the update (None: one process)."""
+        self.distributed: GradReduction | None = None
+        """Reduces expert gradients across ranks before their update (None: one process); set by
+        `sonar_fx.distributed`."""
         defaults = self.rule.defaults(cfg)
         experts = [t.param for layer in expert_layers for t in layer.tensors]
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
@@ -142,14 +144,35 @@ class SonarOptimizer(torch.optim.Optimizer):
                 self._fresh.add(expert)
         return state
 
+    def init_state(self) -> None:
+        """Create every tensor's state now (zeros, as before its first update), so that a sharded
+        checkpoint (torch.distributed.checkpoint) has a template to load into."""
+        for p in self.dense_group["params"]:
+            self._state(p)
+        for p in self.expert_group["params"]:
+            self._state(p, expert=self._names[id(p)])
+        self._fresh.clear()  # a template, not a first update that a skipped step would undo
+
     @torch.no_grad()
-    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str) -> None:
-        """Update one batched expert tensor, now; the caller frees `grad` afterwards."""
+    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None:
+        """Update one batched expert tensor, in this backward; the caller frees `grad` afterwards.
+        `reduced` names the all-reduce a compiled graph applied to `grad` ("" for none)."""
         name = self._names.get(id(param))
         if name is None:
             raise KeyError("update_expert_ got a tensor that is not one of this optimizer's experts.")
         self._check_tensor(name, param, grad)
-        if self._norm_pass(name, param, grad):
+        if self.distributed is None:
+            refuse_unreduced(name, reduced)
+            self._update_now(name, param, grad, path)
+            return
+        # The reduction seam: the gradient every rank would see, then the update (now or in this backward).
+        self.distributed.reduce_then_update(
+            name, grad, path=path, reduced=reduced, update=lambda g: self._update_now(name, param, g, path)
+        )
+
+    @torch.no_grad()
+    def _update_now(self, name: str, param: Tensor, grad: Tensor, path: str) -> None:
+        if self._norm_pass(name, param, grad):  # after the reduction: the norm of the reduced gradient
             return
         if self.tracker.before_update(name):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
@@ -191,13 +214,6 @@ class SonarOptimizer(torch.optim.Optimizer):
         return True
 
     def _check_tensor(self, name: str, param: Tensor, grad: Tensor) -> None:
-        if self.distributed is None and _multi_process():
-            raise SonarUsageError(
-                f"{name}: torch.distributed runs {torch.distributed.get_world_size()} processes, so this "
-                "gradient is this rank's local one and Sonar would update each rank's copy differently. "
-                "Sonar's in-backward update does not reduce expert gradients across ranks yet: train on one "
-                "process, or keep the experts out of data parallelism."
-            )
         if param.dtype == torch.float16:
             raise SonarUsageError(
                 f"{name} is float16: fp16 weights need a GradScaler, whose unscale and inf check would run "
@@ -228,9 +244,15 @@ class SonarOptimizer(torch.optim.Optimizer):
         (entries near 1e19 in fp32) counts as non-finite too."""
         if self.nonfinite == "ignore":
             return None
-        bad = (~torch.isfinite(norm)).to(torch.float32) if norm is not None else nonfinite_flag(grad)
-        self._skip_flags[name] = bad
-        return bad
+        if norm is not None and not _is_dtensor(grad):
+            bad = (~torch.isfinite(norm)).to(torch.float32)
+            self._skip_flags[name] = bad
+            return bad
+        flag = nonfinite_flag(grad)
+        # An FSDP2 shard's flag is a replicated DTensor (the whole tensor's verdict): keep its plain value.
+        full = getattr(flag, "full_tensor", None)
+        self._skip_flags[name] = full() if full is not None else flag
+        return flag
 
     def _backward_finished(self) -> None:
         """Autograd runs this when a backward that updated experts ends (never when it raised)."""
@@ -241,11 +263,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         bad = [
             n for n, f in zip(names, torch.stack(list(self._skip_flags.values())).tolist(), strict=True) if f
         ]
-        if not bad:
+        if not self._any_rank(bool(bad)):
             return
         self.tracker.interrupted = [n for n in self.tracker.updated if n not in bad]
+        where = ", ".join(bad[:4]) or "expert tensors of another rank"
         raise NonFiniteGradientError(
-            f"non-finite expert gradients (inf or NaN) in {', '.join(bad[:4])}"
+            f"non-finite expert gradients (inf or NaN) in {where}"
             f"{' ...' if len(bad) > 4 else ''} (nonfinite='raise'): their weights and moments are untouched. "
             f"{len(self.tracker.interrupted)} expert tensor(s) with finite gradients were already updated "
             "in this backward. Call optimizer.abandon_step() to drop the step and go on, restore the last "
@@ -272,7 +295,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         if grads and norms.dense is None:
             # Always taken (the logged dense norm); get_total_norm + clip_grads_with_norm_ is what
             # clip_grad_norm_ runs: the same bits.
-            norms.dense = torch.nn.utils.get_total_norm(grads)
+            norms.dense = plain(torch.nn.utils.get_total_norm(grads))
         if self._skip_step(params, norms.dense):
             self._end_step()
             return
@@ -393,7 +416,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "gradients, or pass nonfinite='skip' to skip such steps.",
                 bad,
             )
-        if not (dense_bad or skipped):
+        if not self._any_rank(dense_bad or bool(skipped)):
             return False
         self.stats.skipped_updates.update(skipped)
         self.stats.skipped_steps += 1
@@ -416,6 +439,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         for name in names:
             if name in self._fresh:
                 self.state.pop(by_id[params[name]], None)
+
+    def _any_rank(self, local: bool) -> bool:
+        """`local` on any rank: every rank stops or skips a step alike (one process: `local`)."""
+        return local if self.distributed is None else self.distributed.any_rank(local)
 
     def _nonfinite_names(self) -> list[str]:
         """Expert tensors whose gradient was non-finite since the last step (one sync for all)."""
@@ -537,6 +564,6 @@ def _finite(t: Tensor | None) -> bool:
     return t is None or bool(nonfinite_flag(t) == 0)
 
 
-def _multi_process() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _is_dtensor(t: Tensor) -> bool:
+    """An FSDP2 shard's gradient: its norm is this rank's part, so the flag comes from the whole tensor."""
+    return hasattr(t, "full_tensor")

@@ -17,7 +17,7 @@ from torch import Tensor
 class ExpertOwner(Protocol):
     """What the runtime calls: the owner applies its update to `param` with `grad`, now."""
 
-    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str) -> None: ...
+    def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None: ...
 
 
 class UnboundExpertError(RuntimeError):
@@ -57,6 +57,12 @@ def owner_of(param: Tensor) -> ExpertOwner | None:
     if binding is None or binding.param() is not param:
         return None
     return binding.owner()
+
+
+def bound() -> list[tuple[Tensor, ExpertOwner]]:
+    """Every live (parameter, owner) binding in this process."""
+    pairs = ((b.param(), b.owner()) for b in list(_bindings.values()))
+    return [(p, o) for p, o in pairs if p is not None and o is not None]
 
 
 def resolve(alias: Tensor) -> tuple[Tensor, ExpertOwner]:

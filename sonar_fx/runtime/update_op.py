@@ -21,16 +21,19 @@ from sonar_fx.runtime.registry import resolve
 @torch.library.custom_op(
     "sonar_fx::expert_update_", mutates_args=("param_aliases",), tags=(torch.Tag.cudagraph_unsafe,)
 )
-def expert_update_(grad: Tensor, param_aliases: list[Tensor]) -> None:
-    """Update the expert parameter that `param_aliases` (the weight or views of it) alias with `grad`."""
+def expert_update_(grad: Tensor, param_aliases: list[Tensor], reduced: str = "") -> None:
+    """Update the expert parameter that `param_aliases` (the weight or views of it) alias with `grad`.
+
+    `reduced` names the all-reduce the graph applied to `grad` before this op ("" for none); the owner
+    refuses a gradient reduced otherwise than its distributed setup expects."""
     if not param_aliases:
         raise RuntimeError("sonar_fx::expert_update_ needs at least one alias of the expert parameter.")
     param, owner = resolve(param_aliases[0])
-    owner.update_expert_(param, grad, path="graph")
+    owner.update_expert_(param, grad, path="graph", reduced=reduced)
 
 
 @expert_update_.register_fake
-def _expert_update_fake(grad: Tensor, param_aliases: list[Tensor]) -> None:
+def _expert_update_fake(grad: Tensor, param_aliases: list[Tensor], reduced: str = "") -> None:
     return None
 
 

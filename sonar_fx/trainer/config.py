@@ -7,6 +7,7 @@ validation, checkpoint identity checks and the command line share. Never: valida
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,6 +26,7 @@ FLAGS: dict[str, str] = {
     "compiler": "--compiler",
     "sonar_pass": "--hooks-on-compiled",
     "data": "--data",
+    "world_size": "torchrun --nproc-per-node",
 }
 """Config field -> flag, where the flag is not `--` + the field with dashes."""
 
@@ -125,6 +127,10 @@ class TrainConfig:
     backward) otherwise accumulate in parallel, so two compiled fp32 runs can differ in the last bit
     (CUDA also needs CUBLAS_WORKSPACE_CONFIG=:4096:8)."""
     progress: bool = True
+    parallel: Literal["ddp", "fsdp2", "ep"] | None = None
+    """Train on every process torchrun started: "ddp" (experts beside DDP, all-reduced in backward),
+    "fsdp2" (experts in their own fully_shard group) or "ep" (experts sharded E/world per rank);
+    None: one process."""
 
 
 IDENTITY_FIELDS = (
@@ -143,6 +149,8 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
     fields["model_overrides"] = dict(sorted(cfg.model_overrides.items()))
     fields["compiler"] = cfg.execution.compiler
     fields["sonar_pass"] = cfg.execution.sonar_pass
+    if cfg.parallel is not None:  # (absent from single-process identities, as before)
+        fields.update(parallel=cfg.parallel, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return {**fields, "data": data_hash}
 
 

@@ -26,6 +26,7 @@ from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.trainer import checkpoint as ckpt_io
+from sonar_fx.trainer import parallel as par
 from sonar_fx.trainer.environment import memory_now, tensor_state_bytes
 from sonar_fx.trainer.metrics import MetricsFile, RunStats
 from sonar_fx.trainer.plan import RunPlan
@@ -100,6 +101,9 @@ class Trainer:
         self.saved: tuple[int, Path] | None = (
             (plan.start, plan.checkpoint_path) if plan.checkpoint_path is not None else None
         )
+        self.parallel = plan.parallel
+        self.writer = self.parallel is None or self.parallel.writer
+        """Rank 0 (or the only process) logs and writes the run's files."""
 
     def run(self) -> Outcome:
         """Train from `plan.start` to `plan.end`; raises `StepFailed` when a step raises."""
@@ -108,21 +112,28 @@ class Trainer:
             self.stats.evals[0] = self._evaluate()
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(self.device)
-        if cfg.execution.compiled:
+        if cfg.execution.compiled and self.writer:
             tqdm.write(f"compiling with {cfg.execution.compiler}: the first step takes a while")
+        show = cfg.progress and self.writer
         bar = tqdm(total=self.plan.steps, initial=self.start, desc=f"{cfg.method}/{cfg.execution.label}",
-                   disable=not cfg.progress, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
-        metrics = MetricsFile(self.plan.out / METRICS, keep_until=self.start if self.saved else None)
+                   disable=not show, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+        metrics: MetricsFile | _NoMetrics = (
+            MetricsFile(self.plan.out / METRICS, keep_until=self.start if self.saved else None)
+            if self.writer
+            else _NoMetrics()
+        )
         with metrics, bar, StopSignals(enabled=self.handle_signals) as stop:
             for step in range(self.start, self.end):
                 record = self._guarded_step(step)
                 metrics.write(record)
                 done = step + 1
-                if cfg.checkpoint and (done == self.end or stop.requested or self._due(done)):
+                # Ranks get a signal at different moments: stop at the same step boundary on all.
+                stopping = stop.requested if self.parallel is None else par.any_rank(stop.requested)
+                if cfg.checkpoint and (done == self.end or stopping or self._due(done)):
                     self._save(done)
                 bar.set_postfix(_postfix(record), refresh=False)
                 bar.update(1)
-                if stop.requested and done < self.end:
+                if stopping and done < self.end:
                     return Outcome(done, stop.name, stop.signum)
         return Outcome(self.end)
 
@@ -138,17 +149,21 @@ class Trainer:
                 done == self.end or (self.cfg.eval_every and done % self.cfg.eval_every == 0)
             ):
                 record["held_out_loss"] = self.stats.evals[done] = self._evaluate()
-                tqdm.write(f"step {done}: held-out loss {record['held_out_loss']:.4f}")
+                if self.writer:
+                    tqdm.write(f"step {done}: held-out loss {record['held_out_loss']:.4f}")
             return record
         except Exception as exc:
             raise StepFailed(step + 1, exc, self.saved) from exc
 
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        batch = self.stream.next_batch()
+        if self.parallel is None:
+            batch = self.stream.next_batch()
+            n_tok = D.supervised_tokens(batch)
+        else:
+            batch, n_tok = par.rank_batch(self.stream, self.parallel)  # n_tok: every rank's tokens
         if cfg.pad_to_max_len:
             batch = D.pad_to(batch, cfg.max_len, self.plan.tokenizer.pad_id)
-        n_tok = D.supervised_tokens(batch)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         lr = self.method.optimizers[0].param_groups[0]["lr"]
         t0 = time.perf_counter()
@@ -162,7 +177,8 @@ class Trainer:
             }
         else:
             loss = self.method.train_step(batch)
-        loss_value = float(loss)  # synchronizes, so the time below is the whole step
+        # synchronizes, so the time below is the whole step; ranks log the mean loss over ranks
+        loss_value = float(loss) if self.parallel is None else par.mean_over_ranks(loss)
         seconds = time.perf_counter() - t0
         finite = math.isfinite(loss_value)
         if not finite and self.cfg.nonfinite == "raise":
@@ -178,6 +194,7 @@ class Trainer:
         return {"step": step + 1, "loss": loss_value if finite else None, "nonfinite_loss": not finite,
                 "lr": lr, "step_ms": seconds * 1e3, "supervised_tokens": n_tok,
                 "tokens_per_s": n_tok / seconds, "epoch": self.stream.epoch,
+                "world_size": self.parallel.world if self.parallel else 1,
                 **self._grad_norms(), **memory_now(self.device)}  # fmt: skip
 
     def _grad_norms(self) -> dict[str, Any]:
@@ -200,16 +217,35 @@ class Trainer:
 
     def _save(self, done: int) -> None:
         path = self.plan.out / ckpt_io.FILENAME
-        ckpt_io.save_checkpoint(
-            path,
-            identity=self.plan.identity,
-            step=done,
-            model=self.model,
-            optimizers=self.method.optimizers,
-            schedulers=self.schedulers,
-            stream_state=self.stream.state_dict(),
-        )
+        if self.parallel is not None:
+            path = self.parallel.checkpoint_path(path)  # sharded engines: one file per rank
+        if self.writer or (self.parallel is not None and self.parallel.sharded):
+            model, optimizers = par.checkpoint_views(self.parallel, self.model, self.method)
+            ckpt_io.save_checkpoint(
+                path,
+                identity=self.plan.identity,
+                step=done,
+                model=model,
+                optimizers=optimizers,
+                schedulers=self.schedulers,
+                stream_state=self.stream.state_dict(),
+            )
+        if self.parallel is not None:
+            torch.distributed.barrier()  # every rank's file is written before any goes on
         self.saved = (done, path)
+
+
+class _NoMetrics:
+    """What ranks other than 0 write metrics to: nothing."""
+
+    def __enter__(self) -> _NoMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        return None
 
 
 def _postfix(record: Mapping[str, Any]) -> dict[str, str]:

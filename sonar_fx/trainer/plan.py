@@ -9,6 +9,7 @@ by the trainer once the whole plan is valid).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.trainer import checkpoint as ckpt_io
 from sonar_fx.trainer.config import ConfigError, TrainConfig, run_identity
+from sonar_fx.trainer.parallel import Parallel, check, from_env
 from sonar_fx.trainer.rundir import run_files
 from sonar_fx.trainer.validate import check_flags, check_overrides, resolve
 
@@ -40,6 +42,8 @@ class RunPlan:
     checkpoint_path: Path | None = None
     start: int = 0
     """The step the run starts from: 0, or the checkpoint's."""
+    parallel: Parallel | None = None
+    """This process's place in a `--parallel` run (None: one process)."""
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -68,6 +72,9 @@ class RunPlan:
 def plan_run(cfg: TrainConfig) -> RunPlan:
     """Validate everything and load the data; raises before any model is built or file changed."""
     check_flags(cfg)
+    parallel = from_env(cfg.parallel)
+    if parallel is not None:
+        check(parallel, cfg.method, cfg.execution)
     check_overrides(cfg.model, cfg.model_overrides)
     out = _writable_dir(cfg.out)
     local = cfg.model not in TINY_MODELS
@@ -87,7 +94,9 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     held = D.encode_records(held_records, tokenizer, cfg.max_len).examples if held_records else []
     cfg, opt_cfg = resolve(cfg, local=local, n_train=len(train.examples), n_held_out=len(held_records))
     stream = D.BatchStream(train.examples, cfg.batch_size, seed=cfg.seed, pad_id=tokenizer.pad_id)
-    plan = RunPlan(cfg, opt_cfg, tokenizer, train, held, D.data_hash(stream), out, None)
+    plan = RunPlan(cfg, opt_cfg, tokenizer, train, held, D.data_hash(stream), out, None, parallel=parallel)
+    if resume_path is not None and parallel is not None:
+        resume_path = parallel.checkpoint_path(resume_path)  # sharded engines: this rank's own file
     if resume_path is not None:
         plan.checkpoint = ckpt_io.load_checkpoint(resume_path)
         plan.checkpoint_path = resume_path
@@ -100,7 +109,7 @@ def _writable_dir(out: str) -> Path:
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".sonar-fx-write-test"
+        probe = path / f".sonar-fx-write-test.{os.getpid()}"  # one per process: torchrun starts several
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:

@@ -8,6 +8,7 @@ summary of a run it did not train.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from sonar_fx.memory import process_peak_rss_bytes
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.trainer import checkpoint as ckpt_io
+from sonar_fx.trainer import parallel as par
 from sonar_fx.trainer.config import ConfigError, TrainConfig, config_record
 from sonar_fx.trainer.environment import environment
 from sonar_fx.trainer.loop import Outcome, Trainer
@@ -62,15 +64,26 @@ def build(plan: RunPlan) -> tuple[nn.Module, TrainingMethod, list[torch.optim.lr
             "use the model's own tokenizer",
             flag="--tokenizer",
         )
-    if plan.checkpoint is not None:
+    sharded = plan.parallel is not None and plan.parallel.sharded
+    if plan.checkpoint is not None and not sharded:  # sharded: checked against the sharded model below
         assert plan.checkpoint_path is not None
         ckpt_io.check_model_state(plan.checkpoint_path, model, plan.checkpoint["model"])
     sonar_kwargs: dict[str, Any] = {"nonfinite": cfg.nonfinite} if cfg.method.startswith("sonar") else {}
-    method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution, **sonar_kwargs)
+    if plan.parallel is not None:
+        method = par.build_parallel_method(plan.parallel, cfg.method, model, plan.opt_cfg, cfg.execution,
+                                           **sonar_kwargs)  # fmt: skip
+    else:
+        method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution, **sonar_kwargs)
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, shape) for opt in method.optimizers]
     if plan.checkpoint is not None:
-        ckpt_io.restore(plan.checkpoint, model=model, optimizers=method.optimizers, schedulers=schedulers)
+        state_model, state_optimizers = par.checkpoint_views(plan.parallel, model, method)
+        if sharded:
+            assert plan.checkpoint_path is not None
+            ckpt_io.check_model_state(plan.checkpoint_path, state_model, plan.checkpoint["model"])
+        ckpt_io.restore(
+            plan.checkpoint, model=state_model, optimizers=state_optimizers, schedulers=schedulers
+        )
     return model, method, schedulers
 
 
@@ -83,28 +96,61 @@ def run_plan(plan: RunPlan, *, handle_signals: bool = False) -> RunResult:
     if plan.nothing_to_do:
         raise ConfigError(f"--resume: {plan.nothing_to_do}; nothing to train", flag="--resume")
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with locked(plan.out):
+    parallel = plan.parallel
+    assert cfg.device is not None
+    created = par.init_process_group(parallel, cfg.device) if parallel is not None else False
+    writer = parallel is None or parallel.writer
+    try:
+        with locked(plan.out) if writer else contextlib.nullcontext():
+            result = _train_locked(plan, handle_signals, started, deterministic, writer)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    return result
+
+
+def _train_locked(
+    plan: RunPlan, handle_signals: bool, started: float, deterministic: bool, writer: bool
+) -> RunResult:
+    cfg = plan.cfg
+    if plan.parallel is not None:
+        _check_same_start(plan)
+    if writer:
         remove_stale_temps(plan.out)
-        try:
-            # Global state, so set for this run only; compiled graphs are generated under it (first step).
-            torch.use_deterministic_algorithms(cfg.deterministic or deterministic)
-            model, method, schedulers = build(plan)
-            stream = D.BatchStream(
-                plan.train.examples, cfg.batch_size, seed=cfg.seed, pad_id=plan.tokenizer.pad_id
-            )
-            if plan.checkpoint is not None:
-                stream.load_state_dict(plan.checkpoint["stream"])
-                plan.checkpoint = None  # free its tensors: they now live in the model and optimizers
-            if cfg.overwrite:  # only now: a run that cannot even be built replaces nothing
-                replace_run(plan.out)
+    try:
+        # Global state, so set for this run only; compiled graphs are generated under it (first step).
+        torch.use_deterministic_algorithms(cfg.deterministic or deterministic)
+        model, method, schedulers = build(plan)
+        stream = D.BatchStream(
+            plan.train.examples, cfg.batch_size, seed=cfg.seed, pad_id=plan.tokenizer.pad_id
+        )
+        if plan.checkpoint is not None:
+            stream.load_state_dict(plan.checkpoint["stream"])
+            plan.checkpoint = None  # free its tensors: they now live in the model and optimizers
+        if cfg.overwrite and writer:  # only now: a run that cannot even be built replaces nothing
+            replace_run(plan.out)
+        if writer:
             _announce(plan)
-            trainer = Trainer(plan, model, method, schedulers, stream, handle_signals=handle_signals)
-            outcome = trainer.run()
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
-        summary = _summary(plan, trainer, outcome, time.perf_counter() - started)
+        trainer = Trainer(plan, model, method, schedulers, stream, handle_signals=handle_signals)
+        outcome = trainer.run()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    summary = _summary(plan, trainer, outcome, time.perf_counter() - started)
+    if writer:
         atomic_write_text(plan.out / SUMMARY, to_json(summary, indent=2) + "\n")
     return RunResult(summary, model, method, outcome)
+
+
+def _check_same_start(plan: RunPlan) -> None:
+    """Every rank resumes from the same step (sharded engines read one checkpoint file per rank)."""
+    start = torch.tensor([plan.start])
+    torch.distributed.broadcast(start, src=0)
+    if par.any_rank(int(start) != plan.start):
+        rank = plan.parallel.rank if plan.parallel else 0
+        raise ckpt_io.CheckpointError(
+            f"--resume: the ranks' checkpoints disagree (rank {rank} is at step {plan.start}, rank 0 at "
+            f"step {int(start)}): a save was cut short on some rank; start a fresh --out"
+        )
 
 
 def _summary(plan: RunPlan, trainer: Trainer, outcome: Outcome, wall_s: float) -> dict[str, Any]:
@@ -140,6 +186,7 @@ def _summary(plan: RunPlan, trainer: Trainer, outcome: Outcome, wall_s: float) -
         },
         "sonar": optimizer.report() if isinstance(optimizer, SonarOptimizer) else None,
         "wall_s": wall_s,
+        "world_size": plan.parallel.world if plan.parallel else 1,
         **environment(cfg.device),
     }
 

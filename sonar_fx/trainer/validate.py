@@ -117,6 +117,13 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     }
     extra = by_optimizer[cfg.optimizer]
     _refuse_unused(cfg, extra)
+    if cfg.parallel is not None and (cfg.expert_clip is not None or cfg.state_bits != 32):
+        flag = "--expert-clip" if cfg.expert_clip is not None else "--state-bits"
+        raise ConfigError(
+            f"{flag} is not supported with --parallel {cfg.parallel}: distributed runs clip expert gradients "
+            "not at all (the default) and keep 32-bit states; drop the flag or train on one process",
+            flag=flag,
+        )
     try:
         opt_cfg = kind(**fields, **extra)
         check_clip(cfg.method, opt_cfg)

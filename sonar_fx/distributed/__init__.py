@@ -1,0 +1,42 @@
+"""Sonar on PyTorch's distributed engines: DDP, FSDP2 (`fully_shard`) and expert parallelism.
+
+    model = sonar_fx.distributed.ddp(model, cfg)                  # DDP; compiler="aot_eager"/"inductor"
+    model = sonar_fx.distributed.fsdp2(model, cfg)                # FSDP2, experts in their own group
+    model = sonar_fx.distributed.expert_parallel(model, cfg)      # experts sharded E/world per rank
+    opt = model.sonar
+
+Each call sets the engine up so that an expert gradient reaches its in-backward update already
+reduced the way the engine would reduce it, and hands the optimizer the matching reduction
+(`reductions`). The engines' dense parameters train as the engine trains them.
+"""
+
+from sonar_fx.distributed.ddp import broadcast_experts_, ddp, expert_names
+from sonar_fx.distributed.expert_parallel import (
+    ExpertParallelExperts,
+    combine,
+    dispatch,
+    expert_parallel,
+    shard_experts_,
+)
+from sonar_fx.distributed.fsdp import fsdp2, fully_shard_experts, load_state, save_state, shared_groups
+from sonar_fx.distributed.reductions import AsyncMeanAllReduce, LocalExperts, MeanAllReduce, ShardedGrads
+
+__all__ = [
+    "AsyncMeanAllReduce",
+    "ExpertParallelExperts",
+    "LocalExperts",
+    "MeanAllReduce",
+    "ShardedGrads",
+    "broadcast_experts_",
+    "combine",
+    "ddp",
+    "dispatch",
+    "expert_names",
+    "expert_parallel",
+    "fsdp2",
+    "fully_shard_experts",
+    "load_state",
+    "save_state",
+    "shard_experts_",
+    "shared_groups",
+]

@@ -1,0 +1,203 @@
+"""Expert parallelism: each rank holds E/world experts of every MoE layer; tokens travel to them.
+
+Legend: T tokens on this rank, k experts per token, S = T*k token-slots, E experts in all, El = E/world
+experts on this rank, R token-slots this rank received, d model width, n expert width.
+
+`ExpertParallelExperts` replaces an experts module (the reference model's, or any transformers 5.x
+one with `gate_up_proj` (E, 2n, d) / `down_proj` (E, d, n)) with this rank's slice of it and the same
+forward signature `(hidden (T, d), top_k_index (T, k), top_k_weights (T, k))`: token-slots are sorted
+by expert, sent to the rank that owns it with an autograd all-to-all, computed there with the grouped
+GEMM, and sent back. Its backward runs the all-to-alls in reverse, so an expert's weight gradient on
+its owning rank already sums every rank's tokens: no collective is needed before Sonar's update, only
+the 1/world scale that data-parallel averaging of the per-rank losses implies (`LocalExperts`).
+Dense parameters are replicated and go through DDP. `expert_parallel` sets all of that up; for
+experts sharded by other code (torchtitan's `w1/w2/w3`), pass `shard=False` and `experts=` names.
+Never: change the routing; it is the model's router's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from sonar_fx import api
+from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.ddp import expert_names
+from sonar_fx.distributed.reductions import LocalExperts
+from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.grouped import grouped_mm
+from sonar_fx.experts.kernels.base import HF_LAYOUT
+from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.optim.optimizer import NonFinite
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each token-slot went, to bring the results back (see `dispatch` and `combine`)."""
+
+    perm_S: Tensor
+    """Slots sorted by global expert (stable)."""
+    send: list[int]
+    """Slots sent to each rank."""
+    recv: list[int]
+    """Slots received from each rank."""
+    perm_R: Tensor
+    """Received slots sorted by local expert (stable)."""
+    offs_El: Tensor
+    """int32 cumulative ends of each local expert's slots, as the grouped GEMM takes them."""
+    group: dist.ProcessGroup
+
+
+def dispatch(
+    hidden_Td: Tensor, index_Tk: Tensor, num_experts: int, group: dist.ProcessGroup
+) -> tuple[Tensor, Routing]:
+    """Send each token-slot to the rank owning its expert; returns this rank's slots (R, d), sorted
+    by local expert, and the routing to undo it."""
+    world = dist.get_world_size(group)
+    local = num_experts // world
+    k = index_Tk.shape[1]
+    expert_S, perm_S = torch.sort(index_Tk.reshape(-1), stable=True)
+    x_Sd = hidden_Td.repeat_interleave(k, dim=0)[perm_S]
+    counts_E = torch.bincount(expert_S, minlength=num_experts)
+    counts_in = torch.empty_like(counts_E)
+    dist.all_to_all_single(counts_in, counts_E, group=group)  # row s: rank s's slots per local expert
+    counts_WEl = counts_in.view(world, local)
+    send = counts_E.view(world, local).sum(1).tolist()
+    recv = counts_WEl.sum(1).tolist()
+    x_Rd = _all_to_all(x_Sd, recv, send, group)
+    local_R = torch.arange(local, device=x_Rd.device).repeat(world).repeat_interleave(counts_in)
+    _, perm_R = torch.sort(local_R, stable=True)
+    offs_El = torch.cumsum(counts_WEl.sum(0), 0).to(torch.int32)
+    return x_Rd[perm_R], Routing(perm_S, send, recv, perm_R, offs_El, group)
+
+
+def combine(y_Rd: Tensor, routing: Routing, weights_Tk: Tensor) -> Tensor:
+    """Bring results (R, d) back to the slots' ranks and sum each token's k results by weight."""
+    t, k = weights_Tk.shape
+    y_recv = torch.zeros_like(y_Rd).index_copy(0, routing.perm_R, y_Rd)
+    y_Sd = _all_to_all(y_recv, routing.send, routing.recv, routing.group)
+    y_Skd = torch.zeros_like(y_Sd).index_copy(0, routing.perm_S, y_Sd)
+    return (y_Skd.view(t, k, -1) * weights_Tk.unsqueeze(-1)).sum(dim=1)
+
+
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+
+
+class ExpertParallelExperts(nn.Module):
+    """This rank's El experts of one MoE layer, fed by all-to-all (see the module docstring)."""
+
+    def __init__(
+        self,
+        gate_up_proj: Tensor,
+        down_proj: Tensor,
+        *,
+        num_experts: int,
+        group: dist.ProcessGroup,
+        glu: Callable[[Tensor], Tensor] = HF_LAYOUT.glu,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj)  # (El, 2n, d)
+        self.down_proj = nn.Parameter(down_proj)  # (El, d, n)
+        self.global_experts = num_experts
+        self.num_experts = gate_up_proj.shape[0]  # what this module holds (discovery matches it to E)
+        self.group = group
+        self.glu = glu
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        x_Rd, routing = dispatch(
+            hidden_states.to(self.weight_dtype), top_k_index, self.global_experts, self.group
+        )
+        y_Rd = self.local_experts(x_Rd, routing.offs_El)
+        return combine(y_Rd, routing, top_k_weights.to(y_Rd.dtype)).to(hidden_states.dtype)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype tokens are computed in (the experts' own)."""
+        return self.gate_up_proj.dtype
+
+    def local_experts(self, x_Rd: Tensor, offs_El: Tensor) -> Tensor:
+        """(R, d) slots sorted by local expert -> (R, d) results; subclasses compute other layouts."""
+        h_R2n = grouped_mm(x_Rd, self.gate_up_proj, offs_El)
+        return grouped_mm(self.glu(h_R2n), self.down_proj, offs_El)
+
+
+@torch.no_grad()
+def shard_experts_(model: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Replace every experts module of `model` by an `ExpertParallelExperts` holding this rank's
+    E/world experts (a copy of its slice; every rank must hold the same full weights before, e.g.
+    the same seed); returns the replaced modules' names."""
+    group = group if group is not None else dist.group.WORLD
+    assert group is not None
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    replaced = []
+    for layer in discover_experts(model):
+        roles = {t.role: t.param for t in layer.tensors}
+        if set(roles) != {"up", "down"}:
+            raise SonarUsageError(
+                f"{layer.name}: shard_experts_ needs gate_up/down experts, got {set(roles)}."
+            )
+        num_experts = layer.num_experts
+        if num_experts % world:
+            raise SonarUsageError(
+                f"{layer.name}: {num_experts} experts do not split evenly over {world} ranks; use a world "
+                "size that divides the number of experts."
+            )
+        local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
+        old = model.get_submodule(layer.name)
+        new = ExpertParallelExperts(
+            roles["up"][local].clone(), roles["down"][local].clone(), num_experts=num_experts, group=group,
+            glu=_glu_of(old),
+        )  # fmt: skip
+        parent_name, _, child = layer.name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+        replaced.append(layer.name)
+    return replaced
+
+
+def _glu_of(experts: nn.Module) -> Callable[[Tensor], Tensor]:
+    """The module's own activation when it has one (transformers' `act_fn`), gate first."""
+    act = getattr(experts, "act_fn", None)
+    if act is None:
+        return HF_LAYOUT.glu
+
+    def glu(h_R2n: Tensor) -> Tensor:
+        gate, up = h_R2n.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return glu
+
+
+def expert_parallel(
+    model: nn.Module,
+    opt_cfg: OptimizerConfig,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    shard: bool = True,
+    experts: Iterable[nn.Parameter | str] | None = None,
+    nonfinite: NonFinite = "raise",
+    ddp_kwargs: dict[str, Any] | None = None,
+) -> DistributedDataParallel:
+    """Shard the experts over ranks (`shard_experts_`, unless `shard=False`: the experts are sharded
+    already and named by `experts=`), prepare Sonar with the 1/world scale, and wrap the dense
+    parameters in DDP (experts ignored). Eager only. The optimizer is `wrapped.sonar`."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    if group is None:
+        raise SonarUsageError("expert_parallel needs torch.distributed.init_process_group(...) first.")
+    if shard:
+        shard_experts_(model, group)
+    optimizer = api.prepare(
+        model, opt_cfg, experts=experts, nonfinite=nonfinite, distributed=LocalExperts(group)
+    )
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names(optimizer))
+    wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped.__dict__["sonar"] = optimizer
+    return wrapped

@@ -1,0 +1,140 @@
+"""Sonar under FSDP2 (`fully_shard`): each rank updates its shard of each expert tensor in backward.
+
+FSDP2 reduce-scatters a parameter group's gradients after its backward and then calls the
+post-accumulate-grad hooks of the sharded parameters itself, each with its reduced `Shard(0)`
+gradient: Sonar's hooks are exact there as they are. The saving needs the experts module to be its
+own `fully_shard` group: a sharded gradient is a view of its group's reduce-scatter output, so any
+other gradient in the group (attention, norms) keeps the expert gradients' memory alive until
+`step()`. `fully_shard_experts` shards a model that way (experts, then blocks, then the root);
+`fsdp2` does that and prepares Sonar, eager or compiled per block (the reduce-scatter runs between
+graphs, so a compiled graph never updates: its gradient would be the unsharded, local one).
+`save_state` / `load_state` checkpoint model and optimizer with `torch.distributed.checkpoint`.
+Never: reshard, move or cast a parameter other than through `fully_shard`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, cast
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from sonar_fx import api
+from sonar_fx.compiled import repeated_blocks
+from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.reductions import ShardedGrads
+from sonar_fx.experts.discovery import ExpertLayer, discover_experts
+from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
+
+
+def fully_shard_experts(
+    model: nn.Module, *, experts: Iterable[nn.Parameter | str] | None = None, **fully_shard_kwargs: Any
+) -> nn.Module:
+    """`fully_shard` each experts module as its own group, then each block that holds one, then the
+    root; returns `model` (now an `FSDPModule`). `fully_shard_kwargs` go to every `fully_shard` call
+    (mesh, reshard_after_forward, mp_policy, ...)."""
+    layers = discover_experts(model, experts)
+    for layer in layers:
+        fully_shard(model.get_submodule(layer.name), **fully_shard_kwargs)
+    for _, block in repeated_blocks(model, [layer.name for layer in layers]):
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return model
+
+
+def fsdp2(
+    model: nn.Module,
+    opt_cfg: OptimizerConfig,
+    *,
+    compiler: api.Compiler = "eager",
+    experts: Iterable[nn.Parameter | str] | None = None,
+    nonfinite: NonFinite = "raise",
+    fallback: bool = True,
+    fully_shard_kwargs: dict[str, Any] | None = None,
+    **torch_compile_kwargs: Any,
+) -> nn.Module:
+    """Shard `model` with `fully_shard_experts` (unless it is an `FSDPModule` already) and prepare Sonar;
+    its optimizer is `model.sonar`. `compiler` "aot_eager" / "inductor" compiles each block (hooks
+    still do the updates, after FSDP2's reduce-scatter). Warns when an expert tensor shares its
+    `fully_shard` group with other parameters (exact, but no memory saved)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "sonar_fx.distributed.fsdp2 needs torch.distributed.init_process_group(...) first."
+        )
+    if not isinstance(model, FSDPModule):
+        fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
+    warn_unless_own_groups(model, discover_experts(model, experts))
+    return api.compile(
+        model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
+        regional=compiler != "eager", distributed=ShardedGrads(world_size=dist.get_world_size()),
+        **torch_compile_kwargs,
+    )  # fmt: skip
+
+
+def shared_groups(model: nn.Module, layers: list[ExpertLayer]) -> dict[str, list[str]]:
+    """Expert tensor name -> the other parameters in its `fully_shard` group (empty: its own group)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
+    shared: dict[str, list[str]] = {}
+    for layer in layers:
+        for t in layer.tensors:
+            owner = _group_owner(model, t.name)
+            mates = [names[id(p)] for p in _group_params(owner) if id(p) not in expert_ids]
+            shared[t.name] = mates
+    return shared
+
+
+def warn_unless_own_groups(model: nn.Module, layers: list[ExpertLayer]) -> None:
+    crowded = {name: mates for name, mates in shared_groups(model, layers).items() if mates}
+    if crowded:
+        name, mates = next(iter(crowded.items()))
+        warnings.warn(
+            f"sonar_fx.distributed.fsdp2: {len(crowded)} expert tensor(s) share their fully_shard group with "
+            f"other parameters (e.g. {name} with {mates[0]}): their gradients are views of one "
+            "reduce-scatter buffer that the others keep alive, so Sonar saves no memory there (training "
+            "stays exact). Shard each experts module on its own first: fully_shard_experts(model).",
+            stacklevel=3,
+        )
+
+
+def _group_owner(model: nn.Module, param_name: str) -> nn.Module:
+    """The innermost `FSDPModule` above the parameter `param_name` (its group)."""
+    parts = param_name.split(".")[:-1]
+    owner: nn.Module = model
+    module: nn.Module = model
+    for part in parts:
+        module = module.get_submodule(part)
+        if isinstance(module, FSDPModule):
+            owner = module
+    return owner
+
+
+def _group_params(owner: nn.Module) -> list[nn.Parameter]:
+    """Parameters `owner`'s group manages: its own, not those of nested `FSDPModule`s."""
+    nested = [m for n, m in owner.named_modules() if n and isinstance(m, FSDPModule)]
+    skip = {id(p) for m in nested for p in cast(nn.Module, m).parameters()}
+    return [p for p in owner.parameters() if id(p) not in skip]
+
+
+def save_state(path: str | Path, model: nn.Module, optimizer: SonarOptimizer, **extra: Any) -> None:
+    """Save model and optimizer (dense and expert states) with `torch.distributed.checkpoint`: every
+    rank writes its shards; `extra` entries (step, scheduler states) are saved beside them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, **extra}, checkpoint_id=str(path))
+
+
+def load_state(path: str | Path, model: nn.Module, optimizer: SonarOptimizer, **extra: Any) -> dict[str, Any]:
+    """Load what `save_state` wrote into a model sharded the same way (same world size); `extra`
+    gives the entries to read back beside model and optimizer (their templates)."""
+    optimizer.init_state()  # the template: DCP loads into existing tensors
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd, **extra}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return {k: state[k] for k in extra}

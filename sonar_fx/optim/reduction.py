@@ -1,0 +1,72 @@
+"""The seam between `SonarOptimizer` and a distributed engine: what happens to an expert gradient
+between backward producing it and its update.
+
+Under data parallelism the gradient backward hands over is this rank's local one; the update needs
+the one every rank would see after the engine's reduction. A `GradReduction` (set on the optimizer as
+`optimizer.distributed` by `sonar_fx.distributed`) turns the local gradient into that one and calls
+the update, at once or later in the same backward (an asynchronous all-reduce). With no reduction set
+the optimizer runs alone and refuses a multi-process run, where it would train each rank's copy
+differently. This module never talks to torch.distributed itself and never updates anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from sonar_fx.optim.errors import SonarUsageError
+
+Update = Callable[[Tensor], None]
+"""Apply the update of one expert tensor with the given (reduced) gradient."""
+
+
+class GradReduction(Protocol):
+    """How a distributed engine reduces expert gradients before their in-backward update."""
+
+    name: str
+    """Short name for reports ("ddp", "ddp-async", "fsdp2", "ep")."""
+    in_graph: Literal["update", "all_reduce", "hooks"]
+    """What a compiled backward graph does with these experts' gradients: "update" them as they come
+    (the reduction then runs at update time), "all_reduce" them (mean over `group_name`, as functional
+    collectives in the graph) before updating, or leave them to the hooks ("hooks": the engine reduces
+    them after the graph has returned)."""
+
+    @property
+    def group_name(self) -> str | None:
+        """The process group a graph all-reduces over (its registered name), for `in_graph="all_reduce"`."""
+        ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
+        """Reduce `grad` (the expert tensor `name`'s) as the engine would, then call `update` with it,
+        before the backward that produced it ends. `path` is "hook" or "graph"; `reduced` names the
+        reduction a compiled graph already applied to `grad` ("" for none)."""
+        ...
+
+    def any_rank(self, local: bool) -> bool:
+        """Whether `local` holds on any rank (every rank calls it at the same point), so that a
+        non-finite gradient stops or skips the step on every rank alike."""
+        ...
+
+
+def refuse_unreduced(name: str, reduced: str) -> None:
+    """The check for an optimizer without a reduction: one process, and no graph that reduced."""
+    if reduced:
+        raise SonarUsageError(
+            f"{name}: a compiled graph all-reduced this gradient ({reduced}) but its optimizer has no "
+            "distributed setup: the graph was compiled for a distributed model and reused for this one. "
+            "Set both up the same way (sonar_fx.distributed.ddp for data parallel runs)."
+        )
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise SonarUsageError(
+            f"{name}: torch.distributed runs {dist.get_world_size()} processes, so this gradient is this "
+            "rank's local one and Sonar would update each rank's copy differently. Set the model up with "
+            "sonar_fx.distributed (ddp, fully_shard_experts or expert_parallel), which reduces expert "
+            "gradients across ranks before the update."
+        )

@@ -1,0 +1,133 @@
+"""The in-graph all-reduce of data-parallel training, inspected in one process (the graph is compiled,
+never run: running it needs a process group, see tests/test_distributed.py), and the engines' guards
+that need no second process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch.fx import GraphModule, Node
+
+import sonar_fx
+from sonar_fx.backend import SonarPartitioner
+from sonar_fx.distributed import ShardedGrads
+from sonar_fx.models import build_model
+from sonar_fx.optim.reduction import refuse_unreduced
+from sonar_fx.passes.graph_utils import is_view, node_order
+from sonar_fx.passes.reduce_grads import GraphReduce
+from sonar_fx.runtime import EXPERT_UPDATE_OP, registry
+
+from helpers import CFG, batches
+
+c10d = torch.ops._c10d_functional
+REDUCE = GraphReduce("some-group", 2)
+
+
+def capture_backward(reduce: GraphReduce | None) -> GraphModule:
+    torch._dynamo.reset()
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    sonar_fx.prepare(model, CFG)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        experts = [i for i, x in enumerate(example_inputs) if registry.owner_of(x) is not None]
+        partitioner = SonarPartitioner(experts, reduce=reduce)
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = partitioner(joint, joint_inputs, **kwargs)
+            graphs.append(bw)
+            return fw, bw
+
+        return aot_autograd(fw_compiler=boxed_nop, partition_fn=partition)(gm, example_inputs)
+
+    torch.compile(model, backend=backend)(**batches(1)[0])  # forward only: the partition is done
+    (bw,) = graphs
+    return bw
+
+
+def _producer(node: Node) -> Node:
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def test_each_expert_gradient_is_averaged_in_graph_before_its_update():
+    bw = capture_backward(REDUCE)
+    order = node_order(bw.graph)
+    updates = [n for n in bw.graph.nodes if n.target is EXPERT_UPDATE_OP]
+    assert len(updates) == 4
+    producers = sorted((_producer(u.args[0].args[0].args[0].args[0]) for u in updates), key=order.get)
+    for update in updates:
+        wait, aliases, tag = update.args
+        assert tag == REDUCE.tag == "mean-all-reduce/2@some-group"
+        assert wait.target is c10d.wait_tensor.default
+        work = wait.args[0]
+        assert work.target is c10d.all_reduce.default and work.args[1:] == ("sum", "some-group")
+        scaled = work.args[0]
+        assert scaled.target is torch.ops.aten.mul.Tensor and scaled.args[1] == 0.5
+        grad = scaled.args[0]
+        assert order[grad] < order[scaled] < order[work], "issued right after the gradient"
+        readers = [u for a in aliases for u in a.users if u is not update and not is_view(u)]
+        assert all(order[r] < order[update] for r in readers), "update after every read of the weight"
+        assert order[wait] < order[update]
+        later = [p for p in producers if order[p] > order[_producer(grad)]]
+        if later:  # waited for only just before the next expert's weight gradient
+            assert order[wait] < order[later[0]]
+            between = [n for n in bw.graph.nodes if order[work] < order[n] < order[wait]]
+            assert any(n.op == "call_function" for n in between), "no compute overlaps the all-reduce"
+
+
+def test_without_a_reduction_the_graph_has_no_collective():
+    bw = capture_backward(None)
+    targets = {n.target for n in bw.graph.nodes}
+    assert c10d.all_reduce.default not in targets and c10d.wait_tensor.default not in targets
+    assert all(len(n.args) == 2 for n in bw.graph.nodes if n.target is EXPERT_UPDATE_OP)
+
+
+def test_cache_key_covers_the_reduction():
+    assert SonarPartitioner({1}, reduce=REDUCE).uuid() != SonarPartitioner({1}).uuid()
+    assert (
+        SonarPartitioner({1}, reduce=REDUCE).uuid()
+        != SonarPartitioner({1}, reduce=GraphReduce("g", 4)).uuid()
+    )
+
+
+def test_a_reduced_gradient_for_an_undistributed_optimizer_is_refused():
+    with pytest.raises(sonar_fx.SonarUsageError, match="compiled for a distributed model"):
+        refuse_unreduced("w", REDUCE.tag)
+
+
+def test_fsdp2_refuses_an_update_from_a_compiled_graph():
+    with pytest.raises(sonar_fx.SonarUsageError, match="unsharded, unreduced"):
+        ShardedGrads().reduce_then_update("w", torch.zeros(1), path="graph", reduced="", update=print)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "expert_parallel"])
+def test_engines_need_a_process_group(engine):
+    import sonar_fx.distributed as sd
+
+    with pytest.raises((sonar_fx.SonarUsageError, RuntimeError), match="init_process_group"):
+        getattr(sd, engine)(build_model("tiny-reference", seed=0), CFG)
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (sonar_fx.AdamWConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="global"), "expert_clip='global'"),
+        (sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits=8"),
+    ],
+)
+def test_engines_refuse_what_they_do_not_support(cfg, match):
+    with pytest.raises(sonar_fx.SonarUsageError, match=match):
+        sonar_fx.prepare(build_model("tiny-reference", seed=0), cfg, distributed=ShardedGrads())
+
+
+@pytest.mark.parametrize("flags", [dict(expert_clip="per_tensor"), dict(state_bits=8)])
+def test_cli_engines_refuse_clip_and_state_flags(flags):
+    from sonar_fx.trainer.config import ConfigError, TrainConfig
+    from sonar_fx.trainer.validate import optimizer_config
+
+    with pytest.raises(ConfigError, match="not supported with --parallel ddp"):
+        optimizer_config(TrainConfig(parallel="ddp", **flags), 1e-3)
