@@ -19,10 +19,12 @@ from torch._inductor.utils import fresh_cache  # private, but the supported way 
 
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Spread, Table
-from benchmarks.workload import SHAPES, Batch, ModelShape, Workload, make_batches
+from benchmarks.common import Table
+from benchmarks.workload import SHAPES, ModelShape, Workload
 from sonar_fx.config import AdamWConfig
+from sonar_fx.measure import Spread
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.workload import Batch, make_batches
 
 SCRIPT = "compile_overhead"
 
