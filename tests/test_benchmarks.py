@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from benchmarks import common, gpu, readme
+from benchmarks import common, compile_overhead, endurance, gpu, readme
 from benchmarks.arms import Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table
 from benchmarks.memory_timeline import PHASES, profile_step, timeline
@@ -19,6 +19,7 @@ from benchmarks.methods import shape_goals, table
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.measure import side_by_side
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.workload import make_batches
 
@@ -220,3 +221,55 @@ def test_readme_section_is_generated_between_markers_only(tmp_path):
 def test_replace_between_markers_keeps_the_rest():
     text = f"a\n{readme.START}\nold\n{readme.END}\nb\n"
     assert readme.replace_between_markers(text, "new") == f"a\n{readme.START}\nnew\n{readme.END}\nb\n"
+
+
+def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_thread):
+    endurance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "endurance" / "results.json").read_text())
+    cfg = endurance.QUICK
+    (record,) = data["records"]
+    timed = cfg.steps - cfg.warmup - 1  # warm-up and the first memory step, then rounds, then the last step
+    assert record["error"] is None and len(record["step_s"]) == len(record["rss_bytes"]) == timed
+    assert record["frames_compiled_after_warmup"] == record["graphs_after_warmup"] == 0
+    tensors = expert_tensor_count(SHAPES[cfg.shape].build())
+    assert record["sonar"]["recompiles"] == 0
+    assert record["sonar"]["updates_in_graph"] == cfg.steps * tensors  # every step in the graph
+    assert {g["name"].split(": ")[1]: g["met"] for g in data["goals"]}["no recompiles"] is True
+    assert (tmp_path / "endurance" / "endurance.png").stat().st_size > 10_000
+
+
+def test_endurance_sees_a_recompile_after_warm_up(one_thread):
+    # Negative control: a new sequence length after warm-up must show up as compiles, not as zero.
+    cfg = endurance.Config(steps=8, warmup=3, seq=16)
+    batches = make_batches(cfg.warmup, cfg.batch, cfg.seq) + make_batches(
+        cfg.steps - cfg.warmup, cfg.batch, 8
+    )
+    result = endurance.Endurance(label="x")
+    with side_by_side():
+        endurance._run_arm(result, endurance.QUICK.arms[0], cfg, batches)
+    assert result.error is None, result.error
+    assert result.frames_compiled_after_warmup >= 1 and result.sonar["recompiles"] >= 1
+    goals = {g.name.split(": ")[1]: g.met for g in endurance.goals([result])}
+    assert goals["no recompiles"] is False
+    assert endurance.rss_slope([0, 1024, 2048, 3072]) == 1024.0 and endurance.rss_slope([5, 5, 5]) == 0.0
+
+
+def test_regional_rows_say_not_available_without_the_option(monkeypatch):
+    monkeypatch.setattr(compile_overhead, "regional_available", lambda: False)
+    records = compile_overhead.run_regional(compile_overhead.Config(regional_layers=(4, 16)))
+    assert [(r["layers"], r["regional"]) for r in records] == [(4, False), (4, True), (16, False), (16, True)]
+    rendered = compile_overhead.regional_table(records).render()
+    assert rendered.count("not available") == 4
+
+
+@pytest.mark.skipif(not compile_overhead.regional_available(), reason="sonar_fx.compile has no regional=")
+def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread):
+    cfg = compile_overhead.Config(
+        shape="olmoe-micro", workload=Workload(batch=2, seq=16, dtype="float32"), steady_steps=1,
+        regional_layers=(2, 4), regional_compiler="aot_eager",
+    )  # fmt: skip
+    records = {(r["layers"], r["regional"]): r for r in compile_overhead.run_regional(cfg)}
+    assert all("error" not in r for r in records.values()), records
+    assert records[(2, True)]["dynamo_graphs"] == records[(4, True)]["dynamo_graphs"]  # one block graph
+    assert records[(4, True)]["graphs_compiled"] == records[(2, True)]["graphs_compiled"]
+    assert records[(4, True)]["updates_inserted"] < records[(4, False)]["updates_inserted"]
