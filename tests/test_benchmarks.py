@@ -229,7 +229,8 @@ def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_th
     cfg = endurance.QUICK
     (record,) = data["records"]
     timed = cfg.steps - cfg.warmup - 1  # warm-up and the first memory step, then rounds, then the last step
-    assert record["error"] is None and len(record["step_s"]) == len(record["rss_bytes"]) == timed
+    assert record["error"] is None
+    assert len(record["step_s"]) == len(record["cpu_step_s"]) == len(record["rss_bytes"]) == timed
     assert record["frames_compiled_after_warmup"] == record["graphs_after_warmup"] == 0
     tensors = expert_tensor_count(SHAPES[cfg.shape].build())
     assert record["sonar"]["recompiles"] == 0
