@@ -352,7 +352,7 @@ def _chart(runs: dict[str, _Run], path: Path, cfg: DemoConfig) -> None:
     ax_mem.barh(labels, transient, left=state, label="step transient peak")
     ax_mem.set_xlabel("MiB (step peak = state + step transient)")
     ax_mem.set_title("Step peak memory (tensor bytes, not process RSS)")
-    ax_mem.legend(loc="lower right", fontsize=8)
+    ax_mem.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     ax_mem.invert_yaxis()
     spreads = [run.result.step_ms for run in ok]
     medians = [s.median for s in spreads]

@@ -10,11 +10,12 @@ the same way. An *arm* is one way to train (a model and its method) behind a ste
    batch, in an order that rotates every round, so a burst of load on a shared machine lands on every
    arm alike. Ratios between arms are then paired per round (`ratio`, `paired_ratio`: the r-th step of
    one arm over the r-th step of the other) and summarised by their median and interquartile range.
-Statistics are `torch.utils.benchmark.Measurement`'s (median and quartiles, its high-variance check);
-a step is timed with `torch.utils.benchmark.timer` (it synchronises an accelerator first). `Timer` itself
-is not used: its `timeit` runs warm-up calls of the statement, and a training step must run exactly
-once per round. An arm that raises is recorded with its error and skipped from then on; it never stops
-the others. Never: build models, decide what to compare, or assert on a timing.
+Statistics are `torch.utils.benchmark.Measurement`'s (median, IQR, its high-variance check; the
+quartiles by `torch.quantile`, as Measurement computes them); a step is timed with
+`torch.utils.benchmark.timer` (it synchronises an accelerator first). `Timer` itself is not used: its
+`timeit` runs warm-up calls of the statement, and a training step must run exactly once per round.
+An arm that raises is recorded with its error and skipped from then on; it never stops the others.
+Never: build models, decide what to compare, or assert on a timing.
 """
 
 from __future__ import annotations
