@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from tabulate import tabulate
 
-from sonar_fx.train_log import cpu_cores, cpu_name
+from sonar_fx.trainer.environment import cpu_cores, cpu_name
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

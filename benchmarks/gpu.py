@@ -5,11 +5,13 @@ The prepared GPU script: bf16, the OLMoE-1B-7B configuration (hidden 2048, exper
 gradients) with random weights (`from_config`: weight values change neither memory nor speed), batch 2,
 seq 256. Arms run one after another (a 7B model with AdamW state is ~55 GB): standard,
 standard_no_expert_clip, sonar with eager hooks, sonar compiled (the pass); `--compiled-standard` adds
-the compiled baseline. Reported: `max_memory_allocated` / `max_memory_reserved` over one step after
-warm-up, and the median step time over the steps after it (`sonar_fx.measure`; the arms do not fit
-side by side, so each runs its rounds alone and "× standard" is a ratio of medians, not of paired
-rounds). `--device cpu --tiny` is the smoke mode a test runs (same code path, a tiny config on CPU,
-results under results/gpu_smoke).
+the compiled baseline; `--experts-kernel sonicmoe|scattermoe|torch` computes the experts with that
+kernel backend in every arm (the paper's numbers use SonicMoE; the default is transformers' own
+grouped_mm). Reported: `max_memory_allocated` / `max_memory_reserved` over one step after warm-up,
+and the median step time over the steps after it (`sonar_fx.measure`; the arms do not fit side by
+side, so each runs its rounds alone and "× standard" is a ratio of medians, not of paired rounds).
+`--device cpu --tiny` is the smoke mode a test runs (same code path, a tiny config on CPU, results
+under results/gpu_smoke).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from benchmarks.arms import Arm
 from benchmarks.common import Table
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.kernels import BACKENDS, use_kernel_backend
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, short_error
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim.optimizer import SonarOptimizer
@@ -63,6 +66,8 @@ class Config:
         Arm(method="sonar", mode="pass"),
     )
     opt: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-5, max_grad_norm=1.0))
+    experts_kernel: str = "default"
+    """Expert kernel backend of every arm (`sonar_fx.experts.kernels.BACKENDS`), or transformers' own."""
 
 
 def build(cfg: Config) -> nn.Module:
@@ -72,7 +77,10 @@ def build(cfg: Config) -> nn.Module:
     # Built on the device directly: materialising 6.9B parameters on the host first takes minutes.
     with torch.device(cfg.device):
         torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if cfg.experts_kernel != "default":
+        use_kernel_backend(model, cfg.experts_kernel)
+    return model
 
 
 def batches(cfg: Config, vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
@@ -144,8 +152,9 @@ def table(records: list[dict[str, Any]], cfg: Config) -> Table:
     ]  # fmt: skip
     shape = "tiny smoke config" if cfg.tiny else "OLMoE-1B-7B shapes, random weights"
     note = (
-        f"{shape}, bf16, batch {cfg.batch}, seq {cfg.seq}; step ms: median [IQR] of {cfg.steps} steps; "
-        "× standard: ratio of medians (arms run one after another)."
+        f"{shape}, bf16, batch {cfg.batch}, seq {cfg.seq}, experts kernel {cfg.experts_kernel}; "
+        f"step ms: median [IQR] of {cfg.steps} steps; × standard: ratio of medians (arms run one after "
+        "another)."
     )
     return Table(title="Full-size OLMoE on one GPU", headers=headers, rows=rows, note=note)
 
@@ -179,9 +188,15 @@ def main(argv: list[str] | None = None) -> None:
         default="inductor",
         help="backend of the compiled arms (aot_eager: the same pass without codegen, for a fast smoke run)",
     )
+    p.add_argument(
+        "--experts-kernel",
+        choices=["default", *BACKENDS],
+        default="default",
+        help="expert kernel backend of every arm (default: transformers' grouped_mm)",
+    )
     args = p.parse_args(argv)
     common.setup(args)
-    cfg = Config(device=args.device, tiny=args.tiny)
+    cfg = Config(device=args.device, tiny=args.tiny, experts_kernel=args.experts_kernel)
     if args.quick:
         cfg = replace(cfg, warmup=2, steps=5)
     if args.tiny:

@@ -3,6 +3,10 @@
     python -m benchmarks.gpu_kernels                      # H200: every backend that can run there
     python -m benchmarks.gpu_kernels --device cpu --tiny  # CPU smoke: torch + scattermoe (interpreted)
 
+Run as a script with `--device cpu`, it switches Triton's interpreter on (TRITON_INTERPRET=1) before
+anything imports triton: torch._dynamo imports it, and triton.language binds its own jitted helpers
+(which upstream ScatterMoE kernels call) to interpreter or compiler at that moment.
+
 For every backend (torch, scattermoe, sonicmoe) that can run here:
 1. numerics: the expert block's output and its gradients (hidden, routing weights, w_up, w_down)
    against the fp32 loop reference and against the torch backend, at tiny and full-size layer shapes;
@@ -10,15 +14,34 @@ For every backend (torch, scattermoe, sonicmoe) that can run here:
    and execution mode, compared bitwise on every weight after a few steps (eager hooks, aot_eager or
    inductor pass);
 3. memory: peak memory of one training step of both, and the saving against one layer of expert grads.
-A backend that cannot run (missing package, GPU too old) is listed with the reason. This script
+A backend that cannot run (missing package, GPU too old), or cannot run a dtype (sonic-moe: no fp32),
+is listed with the reason; fp32 numerics state the backend's fp32 matmul precision (upstream
+ScatterMoE forces TF32; the others follow torch's TF32 switch, IEEE by default). This script
 measures and reports; it never asserts (the tests do) and never changes the models it measures beyond
 selecting their kernel backend. On CUDA it turns on deterministic algorithms and eager attention so
 that two runs of the same arithmetic are bitwise equal, which the exactness check needs.
 """
 
+# ruff: noqa: E402 (the interpreter switch below must precede every import of torch)
 from __future__ import annotations
 
+import argparse
 import os
+import signal
+import sys
+
+
+def _interpreter_before_triton(argv: list[str]) -> None:
+    """`--device cpu` runs Triton kernels interpreted: say so before torch imports triton."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cuda")
+    if pre.parse_known_args(argv)[0].device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+if __name__ == "__main__":
+    _interpreter_before_triton(sys.argv[1:])
+
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -37,6 +60,7 @@ from sonar_fx.experts.kernels import (
     get_backend,
     use_kernel_backend,
 )
+from sonar_fx.experts.kernels.scattermoe import fp32_matmul_precision
 from sonar_fx.experts.kernels.scattermoe import implementation as scattermoe_implementation
 from sonar_fx.experts.kernels.torch_backend import experts_forward_ref
 from sonar_fx.measure import ArmResult, measure_arm
@@ -79,6 +103,8 @@ class Numerics:
     implementation: str
     dtype: str
     shape: str
+    matmul: str
+    """How the backend's GEMMs multiply this dtype: "tf32" or "ieee" for fp32, else the dtype."""
     rel_err: dict[str, float]
     """max |backend - fp32 reference| / max |reference|, per output and gradient."""
     vs_torch_max_abs: dict[str, float]
@@ -139,12 +165,20 @@ def check_numerics(cfg: Config, backend: str, dtype: torch.dtype, shape_name: st
     vs_torch = {n: (g - b).abs().max().item() for n, g, b in zip(GRADS, got, base, strict=True)}
     return Numerics(
         backend=backend, implementation=_implementation(backend), dtype=str(dtype).removeprefix("torch."),
-        shape=shape_name, rel_err=rel, vs_torch_max_abs=vs_torch,
+        shape=shape_name, matmul=_matmul(backend, dtype), rel_err=rel, vs_torch_max_abs=vs_torch,
     )  # fmt: skip
 
 
 def _implementation(backend: str) -> str:
     return scattermoe_implementation() if backend == "scattermoe" else backend
+
+
+def _matmul(backend: str, dtype: torch.dtype) -> str:
+    if dtype != torch.float32:
+        return str(dtype).removeprefix("torch.")
+    if backend == "scattermoe":
+        return fp32_matmul_precision()
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 def build(cfg: Config, dtype: torch.dtype) -> nn.Module:
@@ -197,34 +231,54 @@ def check_exactness(cfg: Config, backend: str, compiler: str, dtype: torch.dtype
     )  # fmt: skip
 
 
-def available(cfg: Config, dtype: torch.dtype) -> tuple[list[str], dict[str, str]]:
-    """Backends that can run here, and why the others cannot."""
-    ok, missing = [], {}
-    for name in cfg.backends:
-        try:
-            get_backend(name).check(torch.device(cfg.device), dtype)
-            ok.append(name)
-        except (BackendUnavailableError, ValueError) as err:
-            missing[name] = str(err)
-    return ok, missing
+def unavailable(cfg: Config, backend: str, dtype: torch.dtype) -> str | None:
+    """Why `backend` cannot run `dtype` here (missing package, old GPU, unsupported dtype), or None."""
+    try:
+        get_backend(backend).check(torch.device(cfg.device), dtype)
+    except (BackendUnavailableError, ValueError) as err:
+        return str(err)
+    return None
+
+
+class TimeLimit(BaseException):
+    """SIGTERM (a `timeout` around the script): stop measuring, but still write what was measured."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise TimeLimit
 
 
 def run_checks(cfg: Config) -> tuple[list[Numerics], list[Exactness], dict[str, str], dict[str, str]]:
-    dtypes = [torch.float32] if cfg.device == "cpu" else [torch.bfloat16, torch.float32]
-    shapes = ["tiny"] if cfg.tiny else list(LAYER_SHAPES)
     numerics: list[Numerics] = []
     exactness: list[Exactness] = []
     failures: dict[str, str] = {}
-    backends, missing = available(cfg, dtypes[0])
-    for backend in backends:
+    missing: dict[str, str] = {}
+    try:
+        _run_checks(cfg, numerics, exactness, failures, missing)
+    except TimeLimit:
+        failures["time limit"] = "stopped by SIGTERM; the checks after the last row were not run"
+    return numerics, exactness, missing, failures
+
+
+def _run_checks(
+    cfg: Config, numerics: list[Numerics], exactness: list[Exactness], failures: dict, missing: dict
+) -> None:
+    dtypes = [torch.float32] if cfg.device == "cpu" else [torch.bfloat16, torch.float32]
+    shapes = ["tiny"] if cfg.tiny else list(LAYER_SHAPES)
+    for backend in cfg.backends:
+        runnable = []
         for dtype in dtypes:
+            reason = unavailable(cfg, backend, dtype)
+            if reason is not None:  # skipped with the reason, never run into a kernel that cannot take it
+                missing[f"{backend} {str(dtype).removeprefix('torch.')}"] = reason
+                continue
+            runnable.append(dtype)
             for shape in shapes:
                 key = f"numerics {backend} {dtype} {shape}"
                 _attempt(key, failures, numerics, partial(check_numerics, cfg, backend, dtype, shape))
-        for compiler in cfg.compilers:
+        for compiler in cfg.compilers if runnable else ():
             key = f"exactness {backend} {compiler}"
-            _attempt(key, failures, exactness, partial(check_exactness, cfg, backend, compiler, dtypes[0]))
-    return numerics, exactness, missing, failures
+            _attempt(key, failures, exactness, partial(check_exactness, cfg, backend, compiler, runnable[0]))
 
 
 def _attempt(key: str, failures: dict[str, str], results: list, fn) -> None:
@@ -239,7 +293,7 @@ def _attempt(key: str, failures: dict[str, str], results: list, fn) -> None:
 
 def tables(numerics: list[Numerics], exactness: list[Exactness], missing, failures) -> list[common.Table]:
     num_rows = [
-        [r.backend, r.implementation, r.dtype, r.shape]
+        [r.backend, r.implementation, r.dtype, r.matmul, r.shape]
         + [f"{r.rel_err[g]:.1e}" for g in GRADS]
         + [f"{max(r.vs_torch_max_abs.values()):.1e}"]
         for r in numerics
@@ -248,9 +302,18 @@ def tables(numerics: list[Numerics], exactness: list[Exactness], missing, failur
     out = [
         common.Table(
             title="Numerics against the fp32 reference",
-            headers=["backend", "kernels", "dtype", "shape", *[f"rel {g}" for g in GRADS], "max|vs torch|"],
+            headers=[
+                "backend",
+                "kernels",
+                "dtype",
+                "matmul",
+                "shape",
+                *[f"rel {g}" for g in GRADS],
+                "max|vs torch|",
+            ],
             rows=num_rows,
-            note="rel: max abs error / max abs value of the fp32 loop reference; vs torch: same dtype.",
+            note="rel: max abs error / max abs value of the fp32 loop reference; vs torch: same dtype. "
+            "matmul: tf32 or ieee for fp32 GEMMs (upstream ScatterMoE hard-codes TF32).",
         ),
         common.Table(
             title="Exactness and memory: sonar vs standard_no_expert_clip, same backend and mode",
@@ -294,7 +357,8 @@ def configure(args: Any) -> Config:
     if args.device == "cpu":
         if not args.tiny:
             raise SystemExit("--device cpu runs only the --tiny smoke mode (add --tiny).")
-        # Before any scattermoe kernel is jitted: CPU runs Triton's interpreter, in fp32.
+        # Run as a script, this was set before triton was imported (see the module docstring); called
+        # in-process, the project's own kernels still follow it (they are jitted per mode at call time).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
         raise SystemExit("No CUDA device: run with --device cpu --tiny for the CPU smoke mode.")
@@ -327,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         script=SCRIPT, command=common.command(SCRIPT, argv), args=args, cfg=cfg,
         env=common.environment(cfg.device),  # date and load at the start, as `Env` documents
     )  # fmt: skip
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     numerics, exactness, missing, failures = run_checks(cfg)
     inv.finish(
         tables(numerics, exactness, missing, failures),

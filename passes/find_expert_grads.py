@@ -1,17 +1,17 @@
 """Find, in an AOTAutograd backward graph, the nodes that produce expert weight gradients.
 
-Input: the forward and backward graphs of one partition and `slots_by_input` (forward input index
--> expert update slot; the backend maps inputs to expert parameters by identity). The backward graph
-returns one output per forward input, in order. For each expert output this walks back through view
-ops to the producing node, classifies it, and finds the backward-graph nodes that alias the
-parameter (the saved weight and its saved views, by fake-tensor storage identity). Analysis only:
-it never changes a graph.
+Input: the forward and backward graphs of one partition and `expert_inputs` (the forward input
+indices that are expert parameters; the backend finds them by identity among its example inputs).
+The backward graph returns one output per forward input, in order. For each expert output this
+walks back through views to the producing node, classifies it, and finds the backward-graph nodes
+that alias the parameter (the saved weight and its saved views, by fake-tensor storage identity).
+Analysis only: it never changes a graph.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +28,6 @@ class ExpertGrad:
 
     input_index: int
     """Index of the parameter among the forward inputs (= index of its gradient among the outputs)."""
-    slot: int
-    """Update slot of the parameter (see `sonar_fx.optim.slots`)."""
     grad: Node
     """The node returned as the gradient (possibly a view of `producer`)."""
     producer: Node
@@ -44,7 +42,7 @@ class ExpertGrad:
 
 
 def find_expert_grads(
-    fw_gm: GraphModule, bw_gm: GraphModule, slots_by_input: Mapping[int, int]
+    fw_gm: GraphModule, bw_gm: GraphModule, expert_inputs: Collection[int]
 ) -> list[ExpertGrad]:
     """One `ExpertGrad` per expert input whose gradient the backward graph returns."""
     primals = fw_gm.graph.find_nodes(op="placeholder")
@@ -55,14 +53,14 @@ def find_expert_grads(
             "cannot map gradients to expert parameters"
         )
     found = []
-    for index, slot in sorted(slots_by_input.items()):
+    for index in sorted(expert_inputs):
         grad = outputs[index]
         if not isinstance(grad, Node):
             continue  # no gradient for this input in this graph
         producer = _walk_back_views(grad)
         aliases = _param_aliases(bw_gm, primals[index])
         readers = tuple(u for a in aliases for u in a.users if not is_view(u) and u.op != "output")
-        found.append(ExpertGrad(index, slot, grad, producer, classify(producer), aliases, readers))
+        found.append(ExpertGrad(index, grad, producer, classify(producer), aliases, readers))
     return found
 
 

@@ -1,6 +1,8 @@
-"""Small FX helpers shared by the Sonar passes: view ops, node order, fake-tensor storage identity.
+"""Small FX helpers shared by the Sonar passes: views and aliases from torch's own information.
 
-Pure FX code: never imports training code, never runs a graph.
+A node is a view when its op's schema says so (`OpOverload.is_view`), or when its fake value lives in
+its input's storage (ops such as `_unsafe_view` alias without declaring it). Aliases of a tensor are
+found by fake-tensor storage identity. Pure FX code: never imports training code, never runs a graph.
 """
 
 from __future__ import annotations
@@ -11,43 +13,19 @@ import torch
 from torch.fx import Graph, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
-aten = torch.ops.aten
-
-# Ops whose output aliases their first input (no new storage, no arithmetic).
-VIEW_OPS = frozenset(
-    {
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.reshape.default,
-        aten.transpose.int,
-        aten.t.default,
-        aten.permute.default,
-        aten.expand.default,
-        aten.alias.default,
-        aten.detach.default,
-        aten.squeeze.dim,
-        aten.squeeze.dims,
-        aten.squeeze.default,
-        aten.unsqueeze.default,
-        aten.slice.Tensor,
-        aten.select.int,
-        aten.split.Tensor,
-        aten.split_with_sizes.default,
-        aten.unbind.int,
-        aten.as_strided.default,
-        aten._reshape_alias.default,
-    }
-)
-
 
 def is_view(node: Node) -> bool:
-    """A view of its first argument (getitem of a split/unbind counts as one)."""
-    if node.op != "call_function":
+    """Whether `node` only re-views its first argument (getitem of a split/unbind counts as one)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
         return False
+    parent = node.args[0]
     if node.target is operator.getitem:
-        parent = node.args[0]
-        return isinstance(parent, Node) and parent.target in VIEW_OPS
-    return node.target in VIEW_OPS
+        return is_view(parent)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return True
+    mine = storage_of(node)
+    return mine is not None and mine == storage_of(parent)
 
 
 def node_order(graph: Graph) -> dict[Node, int]:
@@ -72,7 +50,7 @@ def shares_storage(node: Node, storage: StorageWeakRef) -> bool:
 
 
 def view_closure(roots: list[Node]) -> list[Node]:
-    """`roots` and every node reachable from them through view ops, in discovery order."""
+    """`roots` and every node reachable from them through views, in discovery order."""
     seen: dict[Node, None] = dict.fromkeys(roots)
     frontier = list(roots)
     while frontier:

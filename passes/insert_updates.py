@@ -12,32 +12,31 @@ After:
     dw   = aten._grouped_mm(dy_T, h, offs)
     dx   = aten._grouped_mm(dy, w_T, offs)
     g    = transpose(dw)
-    sonar_fx.expert_update_(g, [w_T], slot)       # after dW AND after the last reader of w's aliases
+    sonar_fx.expert_update_(g, [w_T])             # after dW AND after the last reader of w's aliases
     return (..., None, ...)
 
 The update names the aliases as mutated arguments, so a scheduler that reorders nodes (inductor) still
-runs it after every read of the weight. `placement="naive"` (an ablation that silently corrupts dx)
-puts it right after dW and names no alias. Counters in `counters` record every insertion by kind.
+runs it after every read of the weight; at run time the op finds the parameter (and its optimizer)
+from those aliases, so nothing in the graph names a particular parameter and a graph dynamo reuses for
+another module updates that module's tensors. An expert whose weight the backward graph never sees
+(no saved alias) keeps its gradient output: the eager hook updates it after the graph returns.
+Counters go to `torch._dynamo.utils.counters["sonar"]`: "graphs", "updates", "kind:<producer kind>",
+"left_to_hooks".
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Collection, Sequence
+from typing import Any
 
+import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from sonar_fx.optim.update_op import EXPERT_UPDATE_OP
 from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
-from sonar_fx.passes.graph_utils import is_view, node_order
+from sonar_fx.passes.graph_utils import node_order
 
-Placement = Literal["after_alias_readers", "naive"]
-PLACEMENTS = ("after_alias_readers", "naive")
-
-counters: Counter[str] = Counter()
-"""Process-wide pass counters: "graphs", "updates", and "kind:<producer kind>" per inserted update."""
-
+UPDATE_OP_NAME = "sonar_fx::expert_update_"
 _META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
 
 
@@ -46,59 +45,55 @@ def expert_update_pass(
     example_inputs: Sequence[Any] | None = None,
     *,
     fw_gm: GraphModule,
-    slots_by_input: Mapping[int, int],
-    placement: Placement = "after_alias_readers",
+    expert_inputs: Collection[int],
 ) -> GraphModule:
-    """Insert one `sonar_fx.expert_update_` per expert gradient of `bw_gm`; return it rewritten.
+    """Insert one `sonar_fx::expert_update_` per expert gradient of `bw_gm`; return it rewritten.
 
     `example_inputs` is accepted for the common pass signature; the pass reads fake values from node
-    metadata instead. Raises if an expert gradient cannot be placed (the backend then falls back).
+    metadata instead. Raises if the graph cannot be mapped (the backend then falls back).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r}: expected one of {PLACEMENTS}")
-    grads = find_expert_grads(fw_gm, bw_gm, slots_by_input)
+    grads = find_expert_grads(fw_gm, bw_gm, expert_inputs)
     (output,) = bw_gm.graph.find_nodes(op="output")
     returned = list(output.args[0])
+    inserted = []
     for eg in grads:
-        _insert_update(bw_gm, eg, placement)
+        if not eg.aliases:
+            counters["sonar"]["left_to_hooks"] += 1
+            continue
+        insert_update(bw_gm, eg, anchor=last_reader(bw_gm, eg), aliases=eg.aliases)
         returned[eg.input_index] = None
-        counters["updates"] += 1
-        counters[f"kind:{eg.kind}"] += 1
+        inserted.append((eg.input_index, eg.kind))
+        counters["sonar"]["updates"] += 1
+        counters["sonar"][f"kind:{eg.kind}"] += 1
     output.args = (tuple(returned),)
     bw_gm.graph.lint()
     bw_gm.recompile()
-    counters["graphs"] += 1
+    counters["sonar"]["graphs"] += 1
     # Plain data only: AOTAutograd deep-copies the backward module before its (lazy) compile.
-    bw_gm.meta["sonar_updates"] = [(eg.input_index, eg.slot, eg.kind) for eg in grads]
+    bw_gm.meta["sonar_updates"] = inserted
     return bw_gm
 
 
-def _insert_update(bw_gm: GraphModule, eg: ExpertGrad, placement: Placement) -> Node:
+def last_reader(bw_gm: GraphModule, eg: ExpertGrad) -> Node:
+    """The node after which the update may run: the gradient and every read of the weight are done."""
+    order = node_order(bw_gm.graph)
+    return max((eg.grad, *eg.readers), key=order.__getitem__)
+
+
+def insert_update(bw_gm: GraphModule, eg: ExpertGrad, *, anchor: Node, aliases: Sequence[Node]) -> Node:
+    """Insert `expert_update_(eg.grad, aliases)` right after `anchor`."""
     graph = bw_gm.graph
-    if placement == "naive":
-        anchor = _hoist_view_chain(eg)
-        aliases: list[Node] = []
-    else:
-        order = node_order(graph)
-        anchor = max((eg.grad, *eg.readers), key=order.__getitem__)
-        aliases = list(eg.aliases)
     with graph.inserting_after(anchor):
-        update = graph.call_function(EXPERT_UPDATE_OP, (eg.grad, aliases, eg.slot))
+        update = graph.call_function(update_op(), (eg.grad, list(aliases)))
     update.meta = {k: eg.producer.meta[k] for k in _META_KEYS if k in eg.producer.meta}
     update.meta["val"] = None
     return update
 
 
-def _hoist_view_chain(eg: ExpertGrad) -> Node:
-    """Move the views between producer and grad right after the producer; return the last one."""
-    chain = []
-    node = eg.grad
-    while node is not eg.producer:
-        chain.append(node)
-        node = node.args[0]
-    anchor = eg.producer
-    for view in reversed(chain):
-        assert is_view(view)
-        anchor.append(view)
-        anchor = view
-    return anchor
+def update_op() -> torch._ops.OpOverload:
+    """The update op, by name: it is registered by `sonar_fx.runtime`, which this package never imports."""
+    namespace, name = UPDATE_OP_NAME.split("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except AttributeError:
+        raise RuntimeError(f"{UPDATE_OP_NAME} is not registered: import sonar_fx.runtime first.") from None

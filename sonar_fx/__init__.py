@@ -3,15 +3,20 @@
 from sonar_fx.api import compile, prepare
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertLayer, ExpertTensor, NoExpertsFoundError, discover_experts
-from sonar_fx.optim.optimizer import SonarOptimizer, SonarUsageError
+from sonar_fx.optim.errors import InterruptedStepError, NonFiniteGradientError, SonarUsageError
+from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.runtime.registry import UnboundExpertError
 
 __all__ = [
     "AdamWConfig",
     "ExpertLayer",
     "ExpertTensor",
+    "InterruptedStepError",
     "NoExpertsFoundError",
+    "NonFiniteGradientError",
     "SonarOptimizer",
     "SonarUsageError",
+    "UnboundExpertError",
     "compile",
     "discover_experts",
     "prepare",

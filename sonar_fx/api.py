@@ -1,24 +1,24 @@
 """The public entry points: `sonar_fx.compile(model, cfg)` and `sonar_fx.prepare(model, cfg)`.
 
-`prepare` finds the expert tensors, builds the `SonarOptimizer`, registers its slots and the eager
-hooks (the safety net that covers any gradient a compiled graph did not consume), and validates what
-would otherwise train silently wrong. `compile` adds torch.compile with the "sonar" backend.
+`prepare` finds the expert tensors, builds the `SonarOptimizer` (which binds them and hooks them: the
+hooks are the safety net for any gradient a compiled graph did not consume), and validates what would
+otherwise train silently wrong. `compile` then compiles the model's forward (or each repeated block's)
+in place with the "sonar" backend.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from sonar_fx.backend import make_sonar_backend, record_fallback
+from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import AdamWConfig
-from sonar_fx.eager import register_expert_hooks
 from sonar_fx.experts.discovery import ExpertLayer, discover_experts
-from sonar_fx.optim import slots
-from sonar_fx.optim.optimizer import Accumulation, Granularity, SonarOptimizer, SonarUsageError
+from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -31,8 +31,11 @@ def prepare(
     experts: Iterable[nn.Parameter | str] | None = None,
     granularity: Granularity = "batched",
     accumulation: Accumulation = None,
+    nonfinite: NonFinite = "raise",
 ) -> SonarOptimizer:
-    """Build the `SonarOptimizer` for `model`, register its expert hooks and set `model.sonar`."""
+    """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
+    `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
+    untouched and the error names it), "skip" (the step is skipped and counted) or "ignore"."""
     if not isinstance(opt_cfg, AdamWConfig):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, got {type(opt_cfg).__name__}. Sonar updates each expert "
@@ -44,14 +47,14 @@ def prepare(
             "This model is already prepared for Sonar (model.sonar exists); build a fresh one."
         )
     layers = discover_experts(model, experts)
+    _refuse_gradient_reducing_wrappers(model, layers)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     _check_dtypes_and_devices(layers)
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
-    optimizer = SonarOptimizer(dense, layers, opt_cfg, granularity=granularity, accumulation=accumulation)
-    for layer in layers:
-        for t in layer.tensors:
-            slots.register(optimizer, t.param)
-    optimizer.hook_handles = register_expert_hooks(optimizer)
+    dense = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in expert_ids]
+    optimizer = SonarOptimizer(
+        [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
+        nonfinite=nonfinite, dense_names=[n for n, _ in dense],
+    )  # fmt: skip
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
 
@@ -73,50 +76,95 @@ def compile(
     granularity: Granularity = "batched",
     fallback: bool = True,
     accumulation: Accumulation = None,
+    nonfinite: NonFinite = "raise",
+    regional: bool = False,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
-    """Sonar-MoE training for `model`: returns the model to train; its optimizer is `.sonar`.
+    """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
 
-    `compiler="inductor"` (default) or `"aot_eager"` compile the model with the graph pass that updates
-    expert tensors inside the backward graph; `"eager"` keeps the model eager and updates them from
-    post-accumulate-grad hooks (the paper's method). With `fallback=True` a compiler failure warns once
-    and training continues on the hooks; with `fallback=False` it raises.
+    `compiler="inductor"` (default) or `"aot_eager"` compile the model's forward with the graph pass
+    that updates expert tensors inside the backward graph; `"eager"` keeps the model eager and updates
+    them from post-accumulate-grad hooks (the paper's method). `regional=True` compiles each repeated
+    block that holds experts instead of the whole model: one graph, compiled once and reused for all L
+    blocks, so compile time stays flat in depth. With `fallback=True` a compiler failure warns once and
+    training continues on the hooks; with `fallback=False` it raises. The model keeps its class,
+    signature and `state_dict()` keys.
     """
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}: expected one of {', '.join(COMPILERS)}.")
-    optimizer = prepare(model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation)
+    optimizer = prepare(
+        model,
+        opt_cfg,
+        experts=experts,
+        granularity=granularity,
+        accumulation=accumulation,
+        nonfinite=nonfinite,
+    )
     if compiler == "eager":
         return model
-    backend = make_sonar_backend(compiler, fallback=fallback)
     optimizer.compiler = compiler
-    # The compiled wrapper forwards missing attributes to `model`, so `compiled.sonar` is the optimizer.
-    compiled = cast(nn.Module, torch.compile(model, backend=backend, **torch_compile_kwargs))
-    if fallback:
-        _fall_back_on_dynamo_errors(compiled, model, optimizer)
-    return compiled
+    if not regional:
+        compile_forward_(model, compiler, fallback=fallback, **torch_compile_kwargs)
+        return model
+    blocks = repeated_blocks(model, [layer.name for layer in optimizer.expert_layers])
+    _check_blocks_alike(blocks, optimizer)
+    _turn_off_kv_cache(model)
+    for _, block in blocks:
+        compile_forward_(block, compiler, fallback=fallback, **torch_compile_kwargs)
+    return model
 
 
-def _fall_back_on_dynamo_errors(compiled: nn.Module, model: nn.Module, optimizer: SonarOptimizer) -> None:
-    """Run `model` eagerly (hooks update the experts) from the first dynamo failure on.
+def _check_blocks_alike(blocks: list[tuple[str, nn.Module]], optimizer: SonarOptimizer) -> None:
+    """Blocks of one class share one graph: their expert tensors must sit at the same places."""
+    experts = {id(t.param) for layer in optimizer.expert_layers for t in layer.tensors}
+    seen: dict[type, tuple[str, list[str]]] = {}
+    for name, block in blocks:
+        mine = sorted(n for n, p in block.named_parameters() if id(p) in experts)
+        first = seen.setdefault(type(block), (name, mine))
+        if first[1] != mine:
+            raise SonarUsageError(
+                f"regional=True: blocks {first[0]} and {name} are one class (so one compiled graph) but "
+                f"hold expert tensors at different places ({first[1]} vs {mine}). Make the same tensors "
+                "experts in every block, or compile the whole model (regional=False)."
+            )
 
-    Backend failures (AOTAutograd, inductor, the pass) are caught per graph by the backend; this
-    catches what fails before any backend runs (tracing errors, e.g. a graph break under
-    fullgraph=True). A forward that failed to compile has run no backward, so nothing was updated
-    yet and running it again eagerly is safe.
-    """
-    compiled_forward = compiled.forward
-    failed: list[str] = []
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if failed:
-            return model(*args, **kwargs)
-        try:
-            return compiled_forward(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            failed.append(record_fallback(optimizer, err))
-            return model(*args, **kwargs)
+def _turn_off_kv_cache(model: nn.Module) -> None:
+    """A KV cache gives each block its own cache slot, guarded per block: one graph per block."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        warnings.warn(
+            "sonar_fx.compile(regional=True) set model.config.use_cache = False: training needs no KV cache, "
+            "and a cache's per-layer state would compile one graph per block instead of one for all. "
+            "Set it back before generating.",
+            stacklevel=3,
+        )
 
-    compiled.forward = forward
+
+def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:
+    """Experts under a wrapper that reduces gradients after backward would be updated from local ones."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers: list[tuple[str, nn.Module]] = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, DistributedDataParallel) or _is_fsdp(m)
+    ]
+    for wrapper_name, wrapper in wrappers:
+        prefix = f"{wrapper_name}." if wrapper_name else ""
+        inside = [t.name for layer in layers for t in layer.tensors if t.name.startswith(prefix)]
+        if inside:
+            raise SonarUsageError(
+                f"{inside[0]} is an expert tensor managed by {type(wrapper).__name__}, which reduces "
+                "gradients across ranks after backward: Sonar's in-backward update would see this rank's "
+                "local gradient and train silently wrong. Supported today: one process (no data-parallel "
+                "wrapper); a wrapper added after prepare is caught at the first expert update."
+            )
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    fsdp = torch.distributed.fsdp if torch.distributed.is_available() else None
+    kinds = tuple(getattr(fsdp, k) for k in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, k))
+    return bool(kinds) and isinstance(module, kinds)
 
 
 def _check_dtypes_and_devices(layers: list[ExpertLayer]) -> None:

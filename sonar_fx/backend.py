@@ -1,19 +1,22 @@
 """The "sonar" dynamo backend: AOTAutograd with the expert-update pass on every backward graph.
 
 Wiring only. Expert parameters are recognised by identity among the dynamo example inputs (they are
-the real `nn.Parameter` objects), mapped to update slots, and handed to a partitioner that runs the
-default min-cut partition and then `expert_update_pass` on the backward graph, where it can see the
-forward graph's saved values. Inductor's caches key on the partitioner's uuid (the pass's source, the
-slot map and the knobs), so they never serve a graph compiled without the pass. A compiler failure
+the real `nn.Parameter` objects, bound to an optimizer in the runtime registry); their input indices
+go to a partitioner that runs the default min-cut partition and then the backward pass, where it can
+see the forward graph's saved values. Which parameter an update applies to is decided at run time
+(see `sonar_fx.runtime`), so a graph dynamo reuses for another module of the same class is correct.
+Inductor's caches key on the partitioner's uuid (the pass, the runtime op and this file's source, and
+the expert input indices), so they never serve a graph compiled without the pass. A compiler failure
 warns once and runs the graph eagerly, where the expert hooks do the updates; it never trains wrong.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
@@ -22,65 +25,76 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch.fx import GraphModule
 
-from sonar_fx import passes
-from sonar_fx.optim import slots
+import sonar_fx.runtime
 from sonar_fx.optim.optimizer import SonarOptimizer
-from sonar_fx.passes import Placement
+from sonar_fx.passes import insert_updates
+from sonar_fx.passes.insert_updates import expert_update_pass
+from sonar_fx.runtime import registry
 
-_PASS_FILES = tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
+BackendCompiler = Literal["inductor", "aot_eager"]
+BackwardPass = Callable[..., GraphModule]
+"""`(bw_gm, *, fw_gm, expert_inputs) -> bw_gm`: the production pass, or an ablation in tests."""
+
+_SOURCES = (
+    *sorted(str(p) for p in Path(insert_updates.__file__).parent.glob("*.py")),
+    *sorted(str(p) for p in Path(sonar_fx.runtime.__file__).parent.glob("*.py")),
+    __file__,
+)
 
 
 class SonarPartitioner(CustomPartitionerFn):
     """Default min-cut partition, then the expert-update pass on the backward graph."""
 
-    def __init__(self, slots_by_input: dict[int, int], *, placement: Placement, fail: bool = False) -> None:
-        self.slots_by_input = slots_by_input
-        self.placement = placement
-        self.fail = fail
+    def __init__(self, expert_inputs: Collection[int], *, bw_pass: BackwardPass = expert_update_pass) -> None:
+        self.expert_inputs = frozenset(expert_inputs)
+        self.bw_pass = bw_pass
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
 
     def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         self.ran = True
         fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        if self.fail:
-            raise RuntimeError("sonar: forced compiler failure (fail_compile=True)")
         primals = joint_inputs[0]
         fw_inputs = fw_gm.graph.find_nodes(op="placeholder")
         if not isinstance(primals, (list, tuple)) or len(fw_inputs) != len(primals):
-            # A nested subgraph: its inputs are not the dynamo graph's, so the slot map does not apply.
+            # A nested subgraph: its inputs are not the dynamo graph's, so the input map does not apply.
             # Its expert gradients flow out as usual and the hooks update them.
             return fw_gm, bw_gm
-        bw_gm = passes.expert_update_pass(
-            bw_gm, fw_gm=fw_gm, slots_by_input=self.slots_by_input, placement=self.placement
-        )
+        bw_gm = self.bw_pass(bw_gm, fw_gm=fw_gm, expert_inputs=self.expert_inputs)
         self.inserted += len(bw_gm.meta["sonar_updates"])
         return fw_gm, bw_gm
 
     def uuid(self) -> Any:
-        knobs = f"{sorted(self.slots_by_input.items())}|{self.placement}|{self.fail}"
-        return get_hash_for_files((*_PASS_FILES, __file__), knobs).hex()
+        knobs = f"{sorted(self.expert_inputs)}|{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
+        return get_hash_for_files(_SOURCES, knobs).hex()
+
+
+@functools.cache
+def sonar_backend(
+    compiler: BackendCompiler = "inductor", *, fallback: bool = True
+) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
+    """The dynamo backend for `compiler`. One object per setting, so every model compiled with the same
+    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time)."""
+    return make_sonar_backend(compiler, fallback=fallback)
 
 
 def make_sonar_backend(
-    compiler: str = "inductor",
+    compiler: BackendCompiler = "inductor",
     *,
     fallback: bool = True,
-    placement: Placement = "after_alias_readers",
-    fail_compile: bool = False,
+    bw_pass: BackwardPass = expert_update_pass,
 ) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
-    """A dynamo backend. `placement` and `fail_compile` are test knobs (the naive-placement ablation
-    and a forced failure that exercises the fallback)."""
+    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
-    def sonar_backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        slots_by_input = {i: s for i, x in enumerate(example_inputs) if (s := slots.slot_of(x)) is not None}
-        optimizer = slots.optimizer_of(next(iter(slots_by_input.values()))) if slots_by_input else None
-        partitioner = SonarPartitioner(slots_by_input, placement=placement, fail=fail_compile)
+    def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        owners = {i: o for i, x in enumerate(example_inputs) if (o := _owner(x)) is not None}
+        optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
+        partitioner = SonarPartitioner(owners, bw_pass=bw_pass)
         cache_hits = _aot_cache_hits()
         try:
-            compiled = _compile(gm, example_inputs, compiler, partitioner if slots_by_input else None)
+            compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
         except Exception as err:
             if not fallback or optimizer is None:
                 raise
@@ -90,7 +104,11 @@ def make_sonar_backend(
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
         return compiled
 
-    return sonar_backend
+    return backend
+
+
+def _owner(x: object) -> object | None:
+    return registry.owner_of(x) if isinstance(x, torch.Tensor) else None
 
 
 def _compile(
@@ -148,4 +166,4 @@ def record_fallback(optimizer: SonarOptimizer, err: Exception) -> str:
 @torch._dynamo.register_backend(name="sonar")
 def sonar(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
-    return make_sonar_backend("inductor")(gm, example_inputs)
+    return sonar_backend("inductor")(gm, example_inputs)

@@ -1,8 +1,14 @@
 """Command line: `sonar-fx finetune ...` (one fine-tuning run) and `sonar-fx demo` (the comparison).
 
-For: turning flags into a `TrainConfig` / `DemoConfig`, and bad input into one clear line on stderr
-(exit status 2) before anything trains. Never: hold training logic; it calls `sonar_fx.train` and
-`sonar_fx.demo`.
+For: turning flags into a `TrainConfig` / `DemoConfig`, bad input into one clear line on stderr
+before anything trains, and what happened into the exit status:
+  0    the run finished (or was already finished: nothing is rewritten);
+  1    an unexpected error (a bug: the traceback is printed);
+  2    bad input: the message names the flag, file, line or key and the fix;
+  3    a training step raised: nothing from that step was written; `--resume` continues from the
+       last checkpoint exactly;
+  128+N  stopped by signal N (130 SIGINT, 143 SIGTERM) at a step boundary, after saving a checkpoint.
+Never: hold training logic; it calls `sonar_fx.trainer` and `sonar_fx.demo`.
 """
 
 from __future__ import annotations
@@ -10,29 +16,53 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 from sonar_fx.api import COMPILERS
-from sonar_fx.checkpoint import CheckpointError
+from sonar_fx.config import ConfigFieldError
 from sonar_fx.data import DataError
-from sonar_fx.methods import METHODS
+from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
-from sonar_fx.train import DTYPES, ConfigError, TrainConfig
+from sonar_fx.trainer import (
+    DTYPES,
+    CheckpointError,
+    ConfigError,
+    StepFailed,
+    TrainConfig,
+    plan_run,
+    run_plan,
+)
+from sonar_fx.trainer.signals import SecondSignal
+from sonar_fx.trainer.validate import field_error
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
+EXIT_BAD_INPUT, EXIT_STEP_FAILED, EXIT_SIGNAL_BASE = 2, 3, 128
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `sonar-fx` console script and of `python -m sonar_fx`."""
+    """Entry point of the `sonar-fx` console script and of `python -m sonar_fx` (see the exit statuses
+    in the module docstring)."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "finetune":
             return _finetune(args)
         return _demo(args)
     except USER_ERRORS as exc:
-        print(f"sonar-fx {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        _error(args, str(exc))
+        return EXIT_BAD_INPUT
+    except StepFailed as exc:
+        traceback.print_exception(exc.cause, file=sys.stderr)
+        _error(args, str(exc))
+        return EXIT_STEP_FAILED
+    except SecondSignal as exc:
+        _error(args, f"{exc}; --resume continues from the last checkpoint")
+        return EXIT_SIGNAL_BASE + exc.signum
+
+
+def _error(args: argparse.Namespace, message: str) -> None:
+    print(f"sonar-fx {args.command}: error: {message}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compiler", choices=("inductor", "aot_eager"), default="inductor",
         help="compiler of the compiled arms (aot_eager: same graphs, no codegen, faster to start)",
     )  # fmt: skip
-    demo.add_argument("--steps", type=int, default=None, help="steps per arm (default: the demo's)")
+    demo.add_argument("--steps", type=_positive_int, default=None, help="steps per arm (default: the demo's)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -64,7 +94,7 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--tokenizer", default=None, help="'byte' or a local tokenizer directory (default: byte for "
         "built-in models, the model directory for a checkpoint)")  # fmt: skip
     add("--method", choices=METHODS, default=d.method)
-    add("--compiler", choices=COMPILERS, default=d.compiler)
+    add("--compiler", choices=COMPILERS, default=d.execution.compiler)
     add("--hooks-on-compiled", dest="sonar_pass", action="store_false",
         help="sonar under a compiler: keep the eager hooks on the compiled model, no graph pass")  # fmt: skip
     add("--steps", type=int, default=None, help="optimizer steps (default: one pass over the train split)")
@@ -82,6 +112,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--eps", type=float, default=d.eps)
     add("--weight-decay", type=float, default=d.weight_decay)
     add("--max-grad-norm", type=_optional_float, default=d.max_grad_norm, help="'none': no clip")
+    add("--nonfinite", choices=("raise", "skip", "ignore"), default=d.nonfinite,
+        help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     _add_run_flags(p, d)
 
 
@@ -103,10 +135,13 @@ def _add_run_flags(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     )
     add("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     add("--device", default=None, help="default: cuda when available, else cpu")
-    add("--out", default=d.out, help="folder for metrics.jsonl, summary.json, checkpoint.pt")
+    add("--out", default=d.out, help="folder for metrics.jsonl, summary.json, checkpoint.pt (a fresh run "
+        "refuses a folder that holds a run)")  # fmt: skip
+    add("--overwrite", action="store_true", help="a fresh run replaces the run already in --out")
     add("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
         help="continue from a checkpoint file or run folder (no value: the one in --out)")  # fmt: skip
-    add("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: at the end)")
+    add("--save-every", type=int, default=None,
+        help="checkpoint every N steps (default: every 10%% of the steps; 0: only at the end)")  # fmt: skip
     add(
         "--stop-after",
         type=int,
@@ -126,18 +161,33 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     fields = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
     fields["betas"] = tuple(args.betas)
     fields["model_overrides"] = dict(_override(item) for item in args.model_override)
+    try:
+        fields["execution"] = Execution(compiler=args.compiler, sonar_pass=args.sonar_pass)
+    except ConfigFieldError as exc:
+        raise field_error(exc) from exc
     return TrainConfig(**fields)
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from sonar_fx.train import train  # deferred: `--help` stays fast
-
-    summary = train(train_config(args)).summary
+    plan = plan_run(train_config(args))
+    if plan.nothing_to_do:
+        print(f"{plan.out}: {plan.nothing_to_do}; nothing to do (its files are left as they are)")
+        return 0
+    result = run_plan(plan, handle_signals=True)
+    summary, outcome = result.summary, result.outcome
+    if outcome.signum is not None:
+        print(
+            f"stopped by {outcome.stopped_by} after step {outcome.steps_done}"
+            + (f"; checkpoint saved in {plan.out}: continue with --resume" if plan.cfg.checkpoint else
+               " (--no-checkpoint: nothing to resume from)"),
+            file=sys.stderr,
+        )  # fmt: skip
+        return EXIT_SIGNAL_BASE + outcome.signum
     mem = summary["memory"]
     peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
     print(
         f"done: {summary['steps_done']} steps; held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
-        f"{_fmt(summary['held_out_loss'])}; median step {summary['median_step_ms']:.1f} ms; "
+        f"{_fmt(summary['held_out_loss'])}; median step {_fmt(summary['median_step_ms'], '.1f')} ms; "
         f"{_fmt(summary['supervised_tokens_per_s'], '.0f')} supervised tokens/s; "
         f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"
     )
@@ -153,6 +203,16 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(DemoConfig(**fields))
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _optional_float(text: str) -> float | None:
     if text.lower() in ("none", "off", "inf"):
         return None
@@ -165,7 +225,9 @@ def _optional_float(text: str) -> float | None:
 def _override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
-        raise ConfigError(f"--model-override {item!r}: expected KEY=VALUE, e.g. num_experts=64")
+        raise ConfigError(
+            f"--model-override {item!r}: expected KEY=VALUE, e.g. num_experts=64", flag="--model-override"
+        )
     try:
         return key, json.loads(raw)  # numbers, booleans, null; anything else stays a string
     except json.JSONDecodeError:

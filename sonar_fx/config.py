@@ -10,6 +10,14 @@ import math
 from dataclasses import dataclass
 
 
+class ConfigFieldError(ValueError):
+    """A config value is invalid; `field` names it, so a caller can name its own flag for it."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdamWConfig:
     """AdamW hyper-parameters for dense and expert tensors alike."""
@@ -45,4 +53,6 @@ class AdamWConfig:
 
 def _check(ok: bool, field: str, value: object, expected: str) -> None:
     if not ok:
-        raise ValueError(f"AdamWConfig.{field}={value!r} is invalid: expected {expected}.")
+        raise ConfigFieldError(
+            f"AdamWConfig.{field}={value!r} is invalid: expected {expected}.", field=field.split("[")[0]
+        )

@@ -31,8 +31,9 @@ from sonar_fx.measure import ArmResult, fmt_ratio, measure_arm, ratio, run_round
 from sonar_fx.memory import process_peak_rss_bytes, state_bytes
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
-from sonar_fx.train import WarmupCosine
-from sonar_fx.train_log import environment
+from sonar_fx.trainer.config import ConfigError
+from sonar_fx.trainer.environment import environment
+from sonar_fx.trainer.schedule import WarmupCosine
 from sonar_fx.workload import Batch, held_out_loss, make_batches
 
 DEMO_SHAPE = dict(hidden_size=128, intermediate_size=256, num_experts=64, num_hidden_layers=4)
@@ -77,8 +78,9 @@ MEMORY_LEGEND = {
 }
 
 
-class DemoConfigError(ValueError):
-    """A demo setting is out of range; the message names the flag and its minimum."""
+class DemoConfigError(ConfigError):
+    """A demo setting is out of range; the message names the flag and its minimum (the command line
+    exits 2 with it, as for any `ConfigError`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,8 @@ class DemoConfig:
         if self.steps < least:
             raise DemoConfigError(
                 f"--steps {self.steps}: the demo needs at least {least} steps per arm ({WARMUP_STEPS} "
-                "warm-up, 1 memory step, 1 timed)"
+                "warm-up, 1 memory step, 1 timed)",
+                flag="--steps",
             )
         if self.held_out < 1:
             raise DemoConfigError(f"held_out={self.held_out}: evaluate on at least 1 held-out window")

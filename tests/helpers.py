@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import zipfile
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -42,3 +46,17 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 def weights_differ(a: nn.Module, b: nn.Module) -> list[str]:
     pb = dict(b.named_parameters())
     return [n for n, p in a.named_parameters() if not torch.equal(p, pb[n])]
+
+
+def flip_a_byte_of_tensor_data(path: Path) -> None:
+    """Flip one byte in the middle of the largest tensor record of a torch.save zip (stored, not
+    compressed), as a bad disk or a bad copy would."""
+    with zipfile.ZipFile(path) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with path.open("r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        f.seek(info.header_offset + 30 + name_len + extra_len + info.file_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))

@@ -4,6 +4,8 @@ It lets the CPU suite check the sonicmoe adapter's plumbing (custom ops, autogra
 permutes, gradients in the backward graph) where the real package cannot install. The routing
 metadata follow one self-consistent convention, and the saved pre-activation h is kept interleaved
 whatever the weight layout: the adapter must treat both as opaque and only pass them between kernels.
+Like the real kernels (QuACK GEMMs on sm90), the GEMMs take fp16/bf16 operands only, "swiglu" is
+silu(gate) * up and "geglu" uses the tanh approximation of GELU.
 Legend: TK routed slots in expert order (position p), T tokens, H width, I expert width, E experts.
 """
 
@@ -23,9 +25,16 @@ def _ranges(offs: Tensor):
     return [(e, a, b) for e, (a, b) in enumerate(itertools.pairwise(ends)) if b > a]
 
 
+def _gemm_operands(*tensors: Tensor) -> None:
+    """The real GEMMs reject fp32 deep inside kernel compilation; the stub fails as plainly."""
+    for t in tensors:
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"a_dtype should be float16 or float8 (stub of QuACK's sm90 GEMM; got {t.dtype})")
+
+
 def _glu(h_S2I: Tensor, activation: str) -> Tensor:
     gate, up = h_S2I[:, 0::2], h_S2I[:, 1::2]
-    return (F.silu(gate) if activation == "swiglu" else F.gelu(gate)) * up
+    return (F.silu(gate) if activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def _glu_backward(h_S2I: Tensor, da_SI: Tensor, activation: str) -> Tensor:
@@ -34,9 +43,11 @@ def _glu_backward(h_S2I: Tensor, da_SI: Tensor, activation: str) -> Tensor:
     if activation == "swiglu":
         sig = torch.sigmoid(gate)
         act, dact = gate * sig, sig * (1 + gate * (1 - sig))
-    else:
-        cdf = 0.5 * (1 + torch.erf(gate * 0.5**0.5))
-        act, dact = gate * cdf, cdf + gate * torch.exp(-0.5 * gate * gate) * (2 * torch.pi) ** -0.5
+    else:  # gelu(x) = x/2 (1 + tanh(z)), z = c (x + 0.044715 x^3)
+        c = (2 / torch.pi) ** 0.5
+        tanh_z = torch.tanh(c * (gate + 0.044715 * gate**3))
+        act = 0.5 * gate * (1 + tanh_z)
+        dact = 0.5 * (1 + tanh_z) + 0.5 * gate * (1 - tanh_z**2) * c * (1 + 3 * 0.044715 * gate**2)
     return torch.stack([da_SI * up * dact, da_SI * act], dim=-1).flatten(1)
 
 
@@ -68,6 +79,8 @@ def _up_projection_forward(
     is_inference_mode_enabled=False, concat_layout=False,
 ):  # fmt: skip
     assert w1.shape[2] == expert_frequency_offset.numel() - 1, "w1 must be (2I, H, E)"
+    assert activation_type in ("swiglu", "geglu"), activation_type
+    _gemm_operands(x, w1)
     pre = torch.empty(x_gather_idx.numel(), w1.shape[0], dtype=x.dtype)
     for e, lo, hi in _ranges(expert_frequency_offset):
         pre[lo:hi] = x[x_gather_idx[lo:hi].long()] @ w1[:, :, e].T
@@ -78,6 +91,7 @@ def _up_projection_forward(
 
 
 def _down_projection_forward(w2, a, y, b2, expert_frequency_offset):
+    _gemm_operands(w2, a)
     for e, lo, hi in _ranges(expert_frequency_offset):
         y[lo:hi] = a[lo:hi] @ w2[:, :, e].T
 
@@ -101,6 +115,7 @@ def _down_projection_backward_act(
     dout, h, w2, dh, ds, b2, db2, a_prime, topk_scores, expert_frequency_offset, x_gather_idx,
     s_scatter_idx, activation_type,
 ):  # fmt: skip
+    _gemm_operands(dout, w2)
     s = topk_scores[s_scatter_idx.long()].unsqueeze(-1)
     da = torch.empty(h.shape[0], w2.shape[1], dtype=h.dtype)
     for e, lo, hi in _ranges(expert_frequency_offset):

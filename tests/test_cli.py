@@ -1,5 +1,5 @@
-"""`sonar-fx finetune`: every method runs end to end and writes its records; bad input fails before
-training with the file, line or flag named."""
+"""`sonar-fx finetune`: every method runs end to end and writes its records (bad input: see
+test_bad_input.py; faults, kills and signals: test_run_safety.py)."""
 
 import itertools
 import json
@@ -67,65 +67,12 @@ def test_alpaca_file_and_the_data_hash_is_stable(tmp_path, capsys):
     assert json.loads((tmp_path / "c" / "summary.json").read_text())["data"]["hash"] != hashes[0]
 
 
-def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
-    malformed = tmp_path / "malformed.json"
-    malformed.write_text(
-        '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c" "output": "d"}\n]\n'
-    )
-    missing = tmp_path / "missing_field.jsonl"
-    missing.write_text(json.dumps(records(1)[0]) + "\n" + json.dumps({"instruction": "x"}) + "\n")
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    return {
-        "malformed": (malformed, f"{malformed}:3:"),
-        "missing_field": (missing, f"{missing}:2: record 1: missing field 'output'"),
-        "empty": (empty, f"{empty}: empty dataset"),
-        "no_file": (tmp_path / "nope.json", f"{tmp_path / 'nope.json'}: no such file"),
-    }
-
-
-@pytest.mark.parametrize("case", ["malformed", "missing_field", "empty", "no_file"])
-def test_bad_data_fails_before_training_naming_file_and_line(tmp_path, capsys, case):
-    path, message = _bad_files(tmp_path)[case]
-    assert finetune(tmp_path / "out", "--data", str(path)) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--model", "tiny-nope"], "--model 'tiny-nope': not a built-in model"),
-        (["--steps", "0"], "--steps 0 is invalid: expected >= 1"),
-        (["--betas", "1.5", "0.9"], "--betas: AdamWConfig.betas[0]=1.5 is invalid"),
-        (["--min-lr", "1.0", "--lr", "1e-3"], "--min-lr 1.0 is above --lr"),
-        (
-            ["--tokenizer", "/no/such/tokenizer"],
-            "--tokenizer: tokenizer '/no/such/tokenizer': no such directory",
-        ),
-        (["--model-override", "num_experts"], "--model-override 'num_experts': expected KEY=VALUE"),
-        (["--batch-size", "64"], "only 8 training examples for --batch-size 64"),
-    ],
-)
-def test_bad_flags_fail_before_training_naming_the_flag(tmp_path, capsys, flags, message):
-    assert main(["finetune", *FAST, "--out", str(tmp_path), *flags]) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "metrics.jsonl").exists()
-
-
 def test_a_split_larger_than_the_file_names_the_flags(tmp_path, capsys):
     data = tmp_path / "data.json"
     data.write_text(json.dumps(records(12)))
     assert finetune(tmp_path / "out", "--data", str(data), "--train-size", "10", "--held-out", "4") == 2
     err = capsys.readouterr().err
     assert f"{data}: split needs 14 records" in err and "--train-size, --held-out" in err
-
-
-def test_unwritable_out_is_named(tmp_path, capsys):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a folder")
-    assert finetune(blocker / "run") == 2
-    assert f"--out {blocker / 'run'}: cannot write there" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli():

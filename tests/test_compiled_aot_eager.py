@@ -14,6 +14,7 @@ from sonar_fx.backend import make_sonar_backend
 from sonar_fx.methods import TrainingMethod
 from sonar_fx.models import build_model
 
+from ablations import failing_pass, naive_update_pass
 from helpers import CFG, assert_same_weights, batches, trained, weights_differ
 
 MODELS = ["tiny-olmoe", "tiny-granitemoe"]
@@ -50,7 +51,7 @@ def _run_with_backend(backend, model_name="tiny-olmoe", dtype=torch.bfloat16, st
 
 def test_naive_placement_corrupts_training_so_placement_matters(eager_twins):
     """Teeth: updating right after dW (before dX reads the weight) must break exactness."""
-    model, opt = _run_with_backend(make_sonar_backend("aot_eager", placement="naive"))
+    model, opt = _run_with_backend(make_sonar_backend("aot_eager", bw_pass=naive_update_pass))
     assert opt.stats.updates["graph"] == 12
     assert weights_differ(model, eager_twins[("tiny-olmoe", torch.bfloat16)])
 
@@ -134,17 +135,17 @@ def test_lr_changes_every_step_without_recompiling():
 def test_forced_compiler_failure_falls_back_to_hooks_and_warns_once(eager_twins):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, opt = _run_with_backend(make_sonar_backend("aot_eager", fail_compile=True))
+        model, opt = _run_with_backend(make_sonar_backend("aot_eager", bw_pass=failing_pass))
     ours = [w for w in caught if "sonar: compilation failed" in str(w.message)]
-    assert len(ours) == 1 and "forced compiler failure" in str(ours[0].message)
-    assert opt.report()["fallbacks"] == ["RuntimeError: sonar: forced compiler failure (fail_compile=True)"]
+    assert len(ours) == 1 and "injected compiler failure" in str(ours[0].message)
+    assert opt.report()["fallbacks"] == ["RuntimeError: sonar: injected compiler failure"]
     assert opt.stats.updates == {"hook": 12}
     assert_same_weights(model, eager_twins[("tiny-olmoe", torch.bfloat16)])
 
 
 def test_forced_compiler_failure_raises_without_fallback():
-    with pytest.raises(Exception, match="forced compiler failure"):
-        _run_with_backend(make_sonar_backend("aot_eager", fallback=False, fail_compile=True), steps=1)
+    with pytest.raises(Exception, match="injected compiler failure"):
+        _run_with_backend(make_sonar_backend("aot_eager", fallback=False, bw_pass=failing_pass), steps=1)
 
 
 def test_activation_checkpointing_stays_exact():

@@ -265,3 +265,41 @@ def test_missing_file(tmp_path: Path) -> None:
     p = tmp_path / "nope.jsonl"
     with pytest.raises(DataError, match=re.escape(f"{p}: no such file")):
         load_records(p)
+
+
+def test_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    (tmp_path / "alpaca.json").write_text(json.dumps([REC]))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}: is a directory") + r".*alpaca\.json"):
+        load_records(tmp_path)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_deep_nesting_is_a_data_error_naming_the_line(tmp_path: Path, suffix: str) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    p = tmp_path / f"deep{suffix}"
+    if suffix == ".json":
+        p.write_text("[\n" + json.dumps(REC) + ",\n" + deep + "\n]\n")
+        line = 3
+    else:
+        p.write_text(json.dumps(REC) + "\n" + deep + "\n")
+        line = 2
+    with pytest.raises(DataError, match=re.escape(f"{p}:{line}:") + r"\d+: malformed JSON.*nesting too deep"):
+        load_records(p)
+
+
+def test_a_lone_surrogate_names_record_and_field(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(REC) + "\n" + '{"instruction": "x", "output": "a\\udc80b"}\n')
+    with pytest.raises(DataError, match=re.escape(f"{p}:2: record 1: field 'output' holds a lone surrogate")):
+        load_records(p)
+    q = tmp_path / "pair.jsonl"  # a proper surrogate pair is one character outside the BMP
+    q.write_text('{"instruction": "\\ud83d\\ude00", "output": "b"}\n')
+    assert load_records(q)[0]["instruction"] == "\U0001f600"
+
+
+def test_jsonl_lines_split_on_newline_only(tmp_path: Path) -> None:
+    # U+2028 is valid inside a JSON string; str.splitlines() would cut the record in two.
+    rec = {"instruction": "a\u2028b\x85c", "input": "", "output": "d"}
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(rec, ensure_ascii=False) + "\r\n" + json.dumps(REC) + "\n", encoding="utf-8")
+    assert load_records(p) == [rec, REC]

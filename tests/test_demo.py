@@ -45,3 +45,10 @@ def test_settings_out_of_range_name_the_flag():
         DemoConfig(steps=0)
     with pytest.raises(DemoConfigError, match="unknown arms"):
         DemoConfig(arms=("standard", "sonar_typo"))
+
+
+def test_the_command_line_exits_2_naming_steps(tmp_path, capsys):
+    from sonar_fx.cli import main
+
+    assert main(["demo", "--steps", "2", "--out", str(tmp_path)]) == 2
+    assert "--steps 2: the demo needs at least 4 steps" in capsys.readouterr().err

@@ -10,9 +10,8 @@ from torch.fx import GraphModule, Node
 import sonar_fx
 from sonar_fx.backend import SonarPartitioner
 from sonar_fx.models import build_model
-from sonar_fx.optim import slots
-from sonar_fx.optim.update_op import EXPERT_UPDATE_OP
 from sonar_fx.passes.graph_utils import is_view, node_order, shares_storage, storage_of
+from sonar_fx.runtime import EXPERT_UPDATE_OP, registry
 
 from helpers import CFG, batches
 
@@ -31,10 +30,8 @@ def capture(model_name: str, dtype: torch.dtype, *, sonar: bool = True) -> tuple
             return fw, bw
 
     def backend(gm, example_inputs):
-        found = {i: slots.slot_of(x) for i, x in enumerate(example_inputs)} if sonar else {}
-        partitioner = Capturing(
-            {i: s for i, s in found.items() if s is not None}, placement="after_alias_readers"
-        )
+        found = [i for i, x in enumerate(example_inputs) if sonar and registry.owner_of(x) is not None]
+        partitioner = Capturing(found)
         return aot_autograd(fw_compiler=boxed_nop, partition_fn=partitioner)(gm, example_inputs)
 
     torch.compile(model, backend=backend)(**batches(1)[0]).loss.backward()
@@ -60,13 +57,16 @@ def test_one_update_per_expert_tensor_placed_after_every_weight_reader(model_nam
     num_layers = 2
     inserted = updates(bw)
     assert len(inserted) == 2 * num_layers
-    assert {k for _, _, k in bw.meta["sonar_updates"]} == {kind}
+    assert {k for _, k in bw.meta["sonar_updates"]} == {kind}
+    assert sorted(_input_of(u, fw.graph.find_nodes(op="placeholder")) for u in inserted) == sorted(
+        i for i, _ in bw.meta["sonar_updates"]
+    )
     order = node_order(bw.graph)
     primals = fw.graph.find_nodes(op="placeholder")
     (output,) = bw.graph.find_nodes(op="output")
     for update in inserted:
-        grad, aliases, slot = update.args
-        index = next(i for i, s in _slot_inputs(bw) if s == slot)
+        grad, aliases = update.args
+        index = _input_of(update, primals)
         assert output.args[0][index] is None, "an updated expert tensor must return no gradient"
         producer = grad
         while is_view(producer):
@@ -91,5 +91,8 @@ def test_standard_graph_has_no_update_nodes():
     assert sum(isinstance(x, Node) for x in output.args[0]) >= 4  # expert gradients are returned
 
 
-def _slot_inputs(bw: GraphModule) -> list[tuple[int, int]]:
-    return [(index, slot) for index, slot, _ in bw.meta["sonar_updates"]]
+def _input_of(update: Node, primals: list[Node]) -> int:
+    """The forward input whose storage the update's first alias lives in (its parameter)."""
+    storage = storage_of(update.args[1][0])
+    (index,) = [i for i, p in enumerate(primals) if storage_of(p) == storage]
+    return index

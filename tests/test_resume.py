@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sonar_fx import checkpoint as ckpt_io
 from sonar_fx.cli import main
+from sonar_fx.trainer import checkpoint as ckpt_io
 
 COMMON = [
     "finetune", "--model", "tiny-olmoe", "--compiler", "eager", "--train-size", "12", "--held-out", "0",

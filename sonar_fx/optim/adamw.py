@@ -37,12 +37,15 @@ def fused_adamw_(
     eps: float,
     weight_decay: float,
     increment_steps: bool = True,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Fused AdamW, bitwise identical to `torch.optim.AdamW(fused=True)` (it makes the same calls).
 
     Hyper-parameters are Python floats read at call time, so changing the LR never recompiles a
     graph that calls this through an opaque op. `increment_steps=False` lets several calls share one
-    step count (the per-expert ablation updates E slices of one tensor per step).
+    step count (the per-expert ablation updates E slices of one tensor per step). `found_inf` (0-d
+    float32, 1.0 = skip) makes the kernel leave every tensor untouched and takes the step back, as
+    torch's AdamW does for a GradScaler's inf check: a skip decided on the device, without a sync.
     """
     if not params:
         return
@@ -64,8 +67,19 @@ def fused_adamw_(
         eps=eps,
         maximize=False,
         grad_scale=None,
-        found_inf=None,
+        found_inf=found_inf,
     )
+    if found_inf is not None and increment_steps:
+        torch._foreach_sub_(list(steps), [found_inf] * len(steps))
+
+
+def nonfinite_flag(grad: Tensor) -> Tensor:
+    """0-d float32: 1.0 if `grad` holds an inf or NaN, else 0.0 (no sync, no grad-sized temporary).
+
+    min and max propagate NaN and reach any inf, so one reduction pass decides it.
+    """
+    lo, hi = torch.aminmax(grad)
+    return (~torch.isfinite(torch.stack((lo, hi))).all()).to(torch.float32)
 
 
 def adamw_ref(

@@ -11,7 +11,8 @@ themselves, and a per-step copy of every expert weight would cost the memory Son
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
@@ -19,8 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 GateUp = Literal["gate_first", "up_first", "interleaved"]
-Activation = Literal["silu", "gelu", "relu"]
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,  # exact GELU, x * Phi(x) through erf
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),  # a different function: up to ~5e-4 apart
+    "relu": F.relu,
+}
 
 Glu = Callable[[Tensor], Tensor]
 """(S, 2n) up-projection rows in the weight's row order -> (S, n) activations."""
@@ -40,7 +46,8 @@ class ExpertLayout:
     transposed: bool = False
     """False: w_up (E, 2n, d) and w_down (E, d, n), i.e. (E, out, in). True: (E, in, out)."""
     activation: Activation = "silu"
-    """Activation applied to the gate half (silu: SwiGLU, gelu: GeGLU, relu: ReGLU)."""
+    """Activation applied to the gate half (silu: SwiGLU, gelu: GeGLU with exact erf GELU, gelu_tanh:
+    GeGLU with the tanh approximation of GELU, relu: ReGLU)."""
 
     def glu(self, h_S2n: Tensor) -> Tensor:
         """act(gate) * up, reading gate and up as views of `h_S2n` in this layout's row order."""
@@ -61,6 +68,12 @@ HF_LAYOUT = ExpertLayout()
 
 Forward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, ExpertLayout, "Glu | None"], Tensor]
 """(hidden_Td, index_Tk, weights_Tk, w_up, w_down, layout, glu) -> out_Td."""
+LayoutCheck = Callable[[ExpertLayout, "Glu | None"], None]
+"""Raises ValueError (naming the fix) when a backend cannot compute this layout and gate function."""
+
+
+def any_layout(layout: ExpertLayout, glu: Glu | None) -> None:
+    """Backends that read every layout through views and run any gate function as given."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,8 @@ class KernelBackend:
     """Raises `BackendUnavailableError` (naming the fix) when the backend cannot run on this device/dtype."""
     weight_grad_ops: tuple[str, ...]
     """Custom ops whose outputs are the weight gradients in a backward graph (what the pass finds)."""
+    check_layout: LayoutCheck = field(default=any_layout)
+    """Checked for every experts module at selection, before the model is changed."""
 
 
 def check_shapes(

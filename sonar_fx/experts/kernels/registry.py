@@ -4,8 +4,10 @@ A backend is chosen per model, never through the optimizer config: for transform
 their experts-implementation hook (each backend is registered in `ALL_EXPERTS_FUNCTIONS` as
 "sonar_<name>" and `set_experts_implementation` selects it), for the project's reference model
 through its experts modules. The expert weights stay the model's own parameters. Selection checks
-that the backend can run on the model's device and dtype, so a missing package fails at once with
-the fix in the message rather than in the first forward.
+that the backend can run on the model's device and dtype and compute every experts module's layout
+and activation, so a missing package, an unsupported dtype or an activation the kernels would change
+fails at once with the fix in the message, before the model is changed, rather than in the first
+forward. Selection never changes any other model, class or module.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from typing import Any
 from torch import Tensor, nn
 
 from sonar_fx.experts.kernels.base import (
-    ACTIVATIONS,
     HF_LAYOUT,
+    Activation,
     ExpertLayout,
     Glu,
     KernelBackend,
     check_shapes,
 )
 from sonar_fx.experts.kernels.scattermoe import check_scattermoe, scattermoe_forward
+from sonar_fx.experts.kernels.sonicmoe import check_layout as check_sonicmoe_layout
 from sonar_fx.experts.kernels.sonicmoe import check_sonicmoe, sonicmoe_forward
 from sonar_fx.experts.kernels.torch_backend import check_torch, torch_forward
 
@@ -44,13 +47,23 @@ BACKENDS: dict[str, KernelBackend] = {
     ),
     "sonicmoe": KernelBackend(
         "sonicmoe",
-        "sonic-moe fused kernels (package sonic-moe; Hopper/Blackwell GPUs)",
+        "sonic-moe fused kernels (package sonic-moe; Hopper/Blackwell GPUs; fp16/bf16; SwiGLU, tanh-GeGLU)",
         sonicmoe_forward,
         check_sonicmoe,
         ("sonar_fx::sonicmoe_backward",),
+        check_sonicmoe_layout,
     ),
 }
 HF_PREFIX = "sonar_"
+HF_ACTIVATIONS: dict[str, Activation] = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+"""transformers `hidden_act` names whose function IS the layout activation's torch op (`ACT2FN`); any
+other name (gelu_new, gelu_fast, quick_gelu, ...) runs the model's own gate function as given."""
 
 
 def get_backend(name: str) -> KernelBackend:
@@ -87,6 +100,8 @@ def use_kernel_backend(model: nn.Module, name: str) -> nn.Module:
     spec = get_backend(name)
     param = next(model.parameters())
     spec.check(param.device, param.dtype)
+    for layout, glu in expert_layouts(model):
+        spec.check_layout(layout, glu)
     if hasattr(model, "set_experts_implementation"):
         hf_model: Any = model
         register_hf_backends()
@@ -106,6 +121,18 @@ def use_kernel_backend(model: nn.Module, name: str) -> nn.Module:
     for module in experts:
         module.kernel = name
     return model
+
+
+def expert_layouts(model: nn.Module) -> list[tuple[ExpertLayout, Glu | None]]:
+    """(layout, own gate function) of every experts module the backend would compute."""
+    if hasattr(model, "set_experts_implementation"):
+        return [hf_layout(m) for m in model.modules() if _is_hf_experts(m)]
+    return [(HF_LAYOUT, None) for _ in _kernel_modules(model)]
+
+
+def _is_hf_experts(module: nn.Module) -> bool:
+    w = getattr(module, "gate_up_proj", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 3 and hasattr(module, "down_proj")
 
 
 def _kernel_modules(model: nn.Module) -> list[Any]:
@@ -157,11 +184,27 @@ def hf_layout(module: Any) -> tuple[ExpertLayout, Glu | None]:
     )
     from transformers.integrations.moe import _default_apply_gate
 
-    act = str(getattr(getattr(module, "config", None), "hidden_act", "silu")).lower()
+    act = _layout_activation(module)
     default_gate = getattr(type(module), "_apply_gate", None) is _default_apply_gate
-    if default_gate and act in ACTIVATIONS and not interleaved:
-        return replace(layout, activation=act), None  # type: ignore[arg-type]
+    if default_gate and act is not None and not interleaved:
+        return replace(layout, activation=act), None
     return layout, module._apply_gate
+
+
+def _layout_activation(module: Any) -> Activation | None:
+    """The layout activation computing the module's own `act_fn`, or None when it is another function.
+
+    Read from `config.hidden_act` and confirmed on the module: its `act_fn` must be the very class
+    transformers builds for that name (a module that swapped its activation keeps its own gate).
+    """
+    from transformers.activations import ACT2CLS
+
+    name = str(getattr(getattr(module, "config", None), "hidden_act", "")).lower()
+    built = ACT2CLS.get(name)
+    cls = built[0] if isinstance(built, tuple) else built
+    if name not in HF_ACTIVATIONS or cls is None or type(getattr(module, "act_fn", None)) is not cls:
+        return None
+    return HF_ACTIVATIONS[name]
 
 
 def kernel_backend_of(model: nn.Module) -> str:

@@ -7,53 +7,69 @@ Two custom ops, each traced by torch.compile as one node:
   (forward GEMM and, with w transposed, the input gradient);
 - `sonar_fx::scatter_group_xty(x, dy, expert_S, order_S, fan_out, x_grouped, dy_grouped, E,
   dw_transposed) -> dw_EKN` (the weight gradient: the node the graph pass finds in the AOT backward).
+  The kernel writes the gradient straight into the buffer this op returns, in the parameter's layout:
+  one weight-gradient buffer, never a second copy.
 `scatter_mm` registers its autograd, so the backward graph holds exactly these two ops per GEMM.
-The kernels are the project's own (`triton_kernels.py`); when the upstream `scattermoe` package is
-installed with the API this adapter knows, its kernels run inside the same ops instead. Nothing here
-copies or updates a weight.
+
+The kernels are the project's own (`triton_kernels.py`). When the upstream `scattermoe` package
+(github shawntan/scattermoe) is installed with the API this adapter knows, its kernels run inside the
+same ops instead, with two differences stated here:
+- Import side effects: the package's `__init__` imports `scattermoe.utils.replace_moe`, which patches
+  transformers classes (GptOss experts, GraniteMoeHybrid MoE) process-wide. So only the kernel file
+  `scattermoe/kernels/ops.py` is loaded, by path, without running the package's `__init__`; it is
+  registered as `scattermoe.kernels.ops`, so a later `import scattermoe` by the user reuses it rather
+  than registering its `scattermoe::*` ops twice. Nothing else of the package runs, no class is patched.
+- TF32: upstream (0.3.0) hard-codes `ALLOW_TF32 = True`, so its fp32 GEMMs run in TF32 (~1e-3
+  relative error) whatever `torch.backends.cuda.matmul.allow_tf32` says; the project's kernels follow
+  torch's switch (off by default: IEEE fp32). `fp32_matmul_precision()` says which applies.
+Nothing here copies or updates a weight.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import inspect
+import sys
 import warnings
 from functools import cache
+from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from sonar_fx.experts.kernels.base import BackendUnavailableError, ExpertLayout, Glu
 
-_UPSTREAM_NEEDS = {
+UPSTREAM_MODULE = "scattermoe.kernels.ops"
+# Parameters this adapter passes to each upstream function (and that must be all it requires).
+_UPSTREAM_CALLS = {
     "scatter2scatter": {
-        "X",
-        "W",
-        "sorted_expert_idxs",
-        "sorted_scattered_idxs",
-        "k",
-        "x_grouped",
-        "y_grouped",
+        *("X", "W", "sorted_expert_idxs", "sorted_scattered_idxs", "k", "x_grouped", "y_grouped"),
     },
     "group": {"A", "sorted_expert_idxs", "fan_out"},
-    "group_bwd_W": {"DY", "X", "expert_offsets", "E"},
+    "groupXtY_compileable": {"E", "DW", "Db", "DY", "X", "expert_offsets"},
 }
 
 
 @cache
 def upstream_ops() -> ModuleType | None:
-    """`scattermoe.kernels.ops` when the upstream package is installed with a known API, else None."""
-    try:
-        ops = importlib.import_module("scattermoe.kernels.ops")
-    except ImportError:
+    """Upstream `scattermoe.kernels.ops`, loaded without the package's side effects; None when absent.
+
+    A package whose kernel functions take other parameters than this adapter passes is not used
+    (warned once): the project's own kernels run instead, which compute the same op.
+    """
+    ops = sys.modules.get(UPSTREAM_MODULE)  # imported already (by the user): its effects are theirs
+    if ops is None:
+        ops = _load_kernels_only()
+    if ops is None:
         return None
-    for name, needed in _UPSTREAM_NEEDS.items():
-        fn = getattr(ops, name, None)
-        params = set(inspect.signature(fn).parameters) if fn is not None else set()
-        if not needed <= params:
+    for name, passed in _UPSTREAM_CALLS.items():
+        accepted, required = _parameters(getattr(ops, name, None))
+        if not (required <= passed <= accepted):
             warnings.warn(
-                f"scattermoe is installed but scattermoe.kernels.ops.{name} lacks {sorted(needed - params)}; "
+                f"scattermoe is installed but {UPSTREAM_MODULE}.{name} takes {sorted(accepted)} "
+                f"(requires {sorted(required)}), not the {sorted(passed)} this adapter passes; "
                 "sonar-fx runs its own ScatterMoE kernels instead.",
                 stacklevel=2,
             )
@@ -61,9 +77,53 @@ def upstream_ops() -> ModuleType | None:
     return ops
 
 
+def _load_kernels_only() -> ModuleType | None:
+    """Execute only `scattermoe/kernels/ops.py` (it imports torch and triton alone), by path."""
+    spec = importlib.util.find_spec("scattermoe")  # finds the package without executing its __init__
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "kernels" / "ops.py"
+    file_spec = importlib.util.spec_from_file_location(UPSTREAM_MODULE, path)
+    if not path.is_file() or file_spec is None or file_spec.loader is None:
+        warnings.warn(f"scattermoe is installed without {path}; sonar-fx runs its own kernels.", stacklevel=3)
+        return None
+    ops = importlib.util.module_from_spec(file_spec)
+    sys.modules[UPSTREAM_MODULE] = ops
+    try:
+        file_spec.loader.exec_module(ops)
+    except Exception as err:
+        del sys.modules[UPSTREAM_MODULE]
+        warnings.warn(
+            f"scattermoe's kernels failed to load ({type(err).__name__}: {err}); sonar-fx runs its own.",
+            stacklevel=3,
+        )
+        return None
+    return ops
+
+
+def _parameters(fn: object) -> tuple[set[str], set[str]]:
+    """(accepted, required) parameter names of a function or a `torch.library` custom op."""
+    schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+    if schema is not None:
+        args = schema.arguments
+        return {a.name for a in args}, {a.name for a in args if not a.has_default_value()}
+    if not callable(fn):
+        return set(), set()
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params}, {p.name for p in params if p.default is inspect.Parameter.empty}
+
+
 def implementation() -> str:
     """Which kernels the scattermoe backend runs: "upstream" (package `scattermoe`) or "sonar_fx"."""
     return "upstream" if upstream_ops() is not None else "sonar_fx"
+
+
+def fp32_matmul_precision() -> Literal["tf32", "ieee"]:
+    """How the scattermoe backend's kernels multiply fp32 on a GPU right now (see the module docstring)."""
+    ops = upstream_ops()
+    if ops is not None:
+        return "tf32" if getattr(ops, "ALLOW_TF32", False) else "ieee"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
 @torch.library.custom_op("sonar_fx::scatter_mm", mutates_args=())
@@ -119,8 +179,11 @@ def scatter_group_xty(
         x_g = x if x_grouped else ops.group(A=x, sorted_expert_idxs=order_S, fan_out=fan_out)
         dy_g = dy if dy_grouped else ops.group(A=dy, sorted_expert_idxs=order_S, fan_out=1)
         ends_E = torch.bincount(expert_S, minlength=num_experts).cumsum(0)
-        result = ops.group_bwd_W(DY=dy_g, X=x_g, expert_offsets=ends_E, E=num_experts)
-        dw_EKN.copy_(result[0] if isinstance(result, tuple) else result)  # (dw, dbias) in newer releases
+        # Upstream's kernel takes any output strides and skips experts without a token: zero our own
+        # buffer and let it write there (its `group_bwd_W` would allocate a second, full-size one).
+        ops.groupXtY_compileable(
+            E=num_experts, DW=dw_EKN.zero_(), Db=None, DY=dy_g, X=x_g, expert_offsets=ends_E
+        )
         return dw_EKN
     from sonar_fx.experts.kernels.triton_kernels import group_xty_into
 
@@ -195,7 +258,8 @@ def scattermoe_forward(
 
 
 def check_scattermoe(device: torch.device, dtype: torch.dtype) -> None:
-    """Triton must be importable; CPU needs Triton's interpreter (fp32 only: its bf16 dot is broken)."""
+    """Triton must be importable; CPU needs Triton's interpreter (fp32 only: its bf16 dot is broken),
+    and upstream kernels need it switched on before `triton.language` was imported."""
     try:
         import triton
     except ImportError as err:
@@ -213,3 +277,18 @@ def check_scattermoe(device: torch.device, dtype: torch.dtype) -> None:
         raise BackendUnavailableError(
             f"Triton's interpreter computes scattermoe in fp32 only (got {dtype}); use fp32 or a GPU."
         )
+    if upstream_ops() is not None and not language_interpreted():
+        # Upstream kernels call triton.language's own jitted helpers, which are bound to interpreter or
+        # compiler once, when triton.language is imported (torch._dynamo imports it).
+        raise BackendUnavailableError(
+            "The upstream scattermoe kernels need Triton's interpreter chosen before triton is imported "
+            "(torch imports it): start Python with TRITON_INTERPRET=1 set, or use a GPU."
+        )
+
+
+def language_interpreted() -> bool:
+    """Whether triton.language was imported under the interpreter (its jitted helpers are bound then)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.cdiv, InterpretedFunction)

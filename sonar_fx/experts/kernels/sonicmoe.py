@@ -8,8 +8,19 @@ torch.compile its weight gradients never reach a backward graph. Here its functi
 - `sonar_fx::sonicmoe_forward(...) -> (out_Td, h_S2n)` (h: the pre-activation sonic-moe saves),
 - `sonar_fx::sonicmoe_backward(...) -> (dx_Td, dscores_S, dw_up, dw_down)`, registered as the
   forward's autograd, so the backward graph shows both weight gradients as outputs of one op node
-  (`getitem(sonicmoe_backward, 2)` and `3`), which the graph pass finds.
-The package is imported lazily (optional extra `sonar-fx[sonicmoe]`); Hopper or newer (compute
+  (`getitem(sonicmoe_backward, 2)` and `3`), which the graph pass finds. sonic-moe's weight-gradient
+  kernels write straight into the buffers this op returns: one buffer per weight gradient, no copy.
+
+What sonic-moe computes, read from its sources (sonic-moe 0.1.2.post1 on QuACK 0.4.1):
+- dtypes: its GEMMs (QuACK, CUTLASS DSL, sm90) take fp16, bf16 or fp8 operands only; fp32 fails deep
+  inside kernel compilation, so fp32 is refused at selection (this adapter routes fp16 and bf16).
+- activations: "swiglu" is silu(gate) * up, the same function as `F.silu` (evaluated with fast
+  exp/reciprocal instructions); "geglu" is gelu(gate) * up with the TANH APPROXIMATION of GELU
+  (`F.gelu(approximate="tanh")`, through `tanh.approx.f32`), which differs from exact erf GELU by up
+  to 4.7e-4 per activation. So a model with erf GELU is refused rather than silently changed; only
+  layouts whose activation is "silu" or "gelu_tanh" run here.
+The package is imported lazily (its pins, torch <= 2.9.1 and Python >= 3.12, do not resolve next to
+sonar-fx's torch: `scripts/sonicmoe_env.sh` installs it with --no-deps); Hopper or newer (compute
 capability >= 9.0) is required. Weights are passed as sonic-moe's permuted views, never copied.
 """
 
@@ -23,18 +34,23 @@ from torch import Tensor
 
 from sonar_fx.experts.kernels.base import BackendUnavailableError, ExpertLayout, Glu
 
-_GLU_NAMES = {"silu": "swiglu", "gelu": "geglu"}
+GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
+"""Layout activation -> sonic-moe activation computing the same function."""
+DTYPES = (torch.float16, torch.bfloat16)
+INSTALL_HINT = (
+    "install it next to this torch with scripts/sonicmoe_env.sh (sonic-moe's own pins, torch<=2.9.1 "
+    "and Python>=3.12, do not resolve with sonar-fx's torch; the script installs it with --no-deps)"
+)
 
 
 def functional() -> ModuleType:
-    """`sonicmoe.functional`, or a BackendUnavailableError naming the extra to install."""
+    """`sonicmoe.functional`, or a BackendUnavailableError naming how to install it."""
     try:
         return importlib.import_module("sonicmoe.functional")
     except ImportError as err:
         raise BackendUnavailableError(
-            "The sonicmoe backend needs the sonic-moe package: pip install 'sonar-fx[sonicmoe]' "
-            "(sonic-moe needs Python >= 3.12, a torch it supports, and a Hopper or Blackwell GPU). "
-            f"Import failed: {err}"
+            "The sonicmoe backend needs the sonic-moe package and a Hopper or Blackwell GPU: "
+            f"{INSTALL_HINT}. Import failed: {err}"
         ) from err
 
 
@@ -52,9 +68,45 @@ def check_device(device: torch.device) -> None:
         )
 
 
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in DTYPES:
+        raise BackendUnavailableError(
+            "The sonicmoe backend's GEMMs take fp16 or bf16 weights (sonic-moe's kernels have no fp32 "
+            f"path); this model is {dtype}. Cast it (model.to(torch.bfloat16)) or use kernel backend "
+            "'scattermoe' or 'torch'."
+        )
+
+
 def check_sonicmoe(device: torch.device, dtype: torch.dtype) -> None:
     functional()
     check_device(device)
+    check_dtype(dtype)
+
+
+def check_layout(layout: ExpertLayout, glu: Glu | None) -> None:
+    """sonic-moe fuses its own GLU on (E, out, in) weights with gate/up concatenated or interleaved."""
+    if glu is not None:
+        raise ValueError(
+            "The sonicmoe backend fuses its own SwiGLU/GeGLU and cannot run a model's own gate function "
+            "(this model's experts override the gate, or use an activation other than silu, gelu or "
+            "gelu_pytorch_tanh). Use kernel backend 'scattermoe' or 'torch'."
+        )
+    if layout.activation == "gelu":
+        raise ValueError(
+            "This model's experts use exact (erf) GELU; sonic-moe's GeGLU uses the tanh approximation, a "
+            "different function (up to 4.7e-4 apart per activation), so switching would change the model. "
+            "Use kernel backend 'scattermoe' or 'torch' (or a model whose hidden_act is gelu_pytorch_tanh)."
+        )
+    if layout.activation not in GLU_NAMES:
+        raise ValueError(
+            f"The sonicmoe backend computes SwiGLU or tanh-GeGLU; this model's activation is "
+            f"{layout.activation!r}. Use kernel backend 'scattermoe' or 'torch'."
+        )
+    if layout.transposed or layout.gate_up == "up_first":
+        raise ValueError(
+            "The sonicmoe backend reads (E, out, in) weights with gate/up concatenated gate-first or "
+            f"interleaved; this model stores {layout}. Use kernel backend 'scattermoe' or 'torch'."
+        )
 
 
 @torch.library.custom_op("sonar_fx::sonicmoe_routing", mutates_args=())
@@ -202,14 +254,8 @@ def sonicmoe_forward(
     glu: Glu | None,
 ) -> Tensor:
     """The expert block on sonic-moe's kernels (gate/up concatenated or interleaved, (E, out, in))."""
-    fusable = not layout.transposed and layout.gate_up != "up_first" and layout.activation in _GLU_NAMES
-    if glu is not None or not fusable:
-        gate = "its own gate function" if glu is not None else "the standard gate"
-        raise ValueError(
-            "The sonicmoe backend fuses its own SwiGLU/GeGLU on (E, out, in) weights with gate/up "
-            f"concatenated gate-first or interleaved; this model needs {layout} with {gate}. "
-            "Use 'scattermoe' or 'torch'."
-        )
+    check_layout(layout, glu)
+    check_dtype(w_up.dtype)
     t, k = index_Tk.shape
     token_S = torch.arange(t, device=index_Tk.device, dtype=torch.int32).repeat_interleave(k)  # sorted
     routing = sonicmoe_routing(token_S, index_Tk.reshape(-1).to(torch.int32), t, w_up.shape[0])
@@ -218,7 +264,7 @@ def sonicmoe_forward(
         v.requires_grad for v in (hidden_Td, weights_Tk, w_up, w_down)
     )  # fmt: skip
     out_Td, _ = sonicmoe_forward_op(
-        hidden_Td.to(w_up.dtype), scores_S, w_up, w_down, list(routing), _GLU_NAMES[layout.activation],
+        hidden_Td.to(w_up.dtype), scores_S, w_up, w_down, list(routing), GLU_NAMES[layout.activation],
         layout.gate_up == "gate_first", keep_h,
     )  # fmt: skip
     return out_Td.to(hidden_Td.dtype)

@@ -1,28 +1,31 @@
-"""Training checkpoints: written atomically, read back only into the run that wrote them.
+"""Training checkpoints: written atomically, checksummed, read back only into the run that wrote them.
 
 For: saving everything a fine-tuning run needs to continue bitwise (model weights, the state of
 every optimizer - `SonarOptimizer` expert and dense groups, or torch AdamW -, LR schedulers, the step,
-the data stream position and the RNG states), and refusing to resume a checkpoint written by another
-model or configuration, naming what differs.
-Never: leave a half-written checkpoint under the final name (temp file, fsync, then `os.replace`),
-unpickle arbitrary objects (`torch.load(weights_only=True)`), or load a state that does not match
-tensor for tensor.
+the data stream position and the RNG states) with a sha256 of every tensor and of the rest, and
+refusing to resume a checkpoint that is corrupted (naming the file and the tensor) or was written by
+another model or configuration (naming what differs).
+Never: leave a half-written checkpoint under the final name (`rundir.atomic_write`), unpickle
+arbitrary objects (`torch.load(weights_only=True)`), or load a state that does not match tensor for
+tensor.
 """
 
 from __future__ import annotations
 
-import os
+import hashlib
 import random
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-FORMAT = 1
-FILENAME = "checkpoint.pt"
+from sonar_fx.trainer.config import flag_of
+from sonar_fx.trainer.rundir import CHECKPOINT, atomic_write
+
+FORMAT = 2  # 2: with checksums
+FILENAME = CHECKPOINT
 
 
 class CheckpointError(ValueError):
@@ -45,8 +48,8 @@ def save_checkpoint(
     schedulers: Sequence[torch.optim.lr_scheduler.LRScheduler],
     stream_state: Mapping[str, int],
 ) -> None:
-    """Write the full training state at a step boundary to `path`, atomically."""
-    payload = {
+    """Write the full training state at a step boundary to `path`, atomically, with checksums."""
+    payload: dict[str, Any] = {
         "format": FORMAT,
         "identity": dict(identity),
         "step": step,
@@ -56,22 +59,14 @@ def save_checkpoint(
         "stream": dict(stream_state),
         "rng": rng_state(),
     }
+    payload["checksums"] = checksums(payload)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never a mix
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by `save_checkpoint` (tensors land on the CPU)."""
-    if not path.is_file():
+    """Read a checkpoint written by `save_checkpoint` (tensors land on the CPU) and verify it."""
+    if path.is_dir() or not path.exists():
         raise CheckpointError(
             f"--resume {path}: no such checkpoint; pass a {FILENAME} file or the --out folder of the run"
         )
@@ -83,10 +78,66 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             "truncated or from another program: resume from another checkpoint or start a fresh --out"
         ) from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        found = ckpt.get("format") if isinstance(ckpt, dict) else None
         raise CheckpointError(
-            f"--resume {path}: not a sonar-fx checkpoint of format {FORMAT}; start a fresh --out instead"
+            f"--resume {path}: not a sonar-fx checkpoint of format {FORMAT} (found format {found!r}); "
+            "start a fresh --out instead"
         )
+    verify(path, ckpt)
     return ckpt
+
+
+def checksums(payload: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of each tensor (dtype, shape and bytes) by its path in `payload` ("/model/<name>"), and
+    of the other values of each top-level entry together ("<values>/stream"); the "checksums" entry
+    itself is left out."""
+    sums: dict[str, str] = {}
+    for key, value in payload.items():
+        if key == "checksums":
+            continue
+        values = hashlib.sha256()
+        for where, leaf in _leaves(value, f"/{key}"):
+            if isinstance(leaf, torch.Tensor):
+                sums[where] = _tensor_digest(leaf)
+            else:
+                values.update(f"{where}={type(leaf).__name__}:{leaf!r};".encode())
+        sums[f"<values>/{key}"] = values.hexdigest()
+    return sums
+
+
+def verify(path: Path, ckpt: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose content differs from the checksums it was saved with."""
+    saved = ckpt.get("checksums")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"--resume {path}: the checkpoint has no checksums; start a fresh --out")
+    now = checksums(ckpt)
+    bad = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    if bad:
+        shown = ", ".join(k.replace("<values>", "the values of ") for k in bad[:3])
+        raise CheckpointError(
+            f"--resume {path}: the file is corrupted: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} "
+            f"({shown}) no longer match the checksums it was saved with; resume from another checkpoint "
+            "or start a fresh --out"
+        )
+
+
+def _leaves(obj: Any, where: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{where}/{k}")
+    elif isinstance(obj, (list, tuple)):  # a tuple may come back as a list: both hash alike
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{where}[{i}]")
+    else:
+        yield where, obj
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    h = hashlib.sha256(f"{flat.dtype}:{tuple(t.shape)};".encode())
+    if flat.numel():
+        h.update(flat.view(torch.uint8).numpy().data)  # the tensor's own bytes, zero-copy
+    return h.hexdigest()
 
 
 def check_identity(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
@@ -161,11 +212,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-_FLAGS = {"model_overrides": "--model-override", "data": "--data/--tokenizer (the data hash)"}
-
-
 def _flag(key: str) -> str:
-    return _FLAGS.get(key, "--" + key.replace("_", "-"))
+    return "--data/--tokenizer (the data hash)" if key == "data" else flag_of(key)
 
 
 def _normal(value: Any) -> Any:

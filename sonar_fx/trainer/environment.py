@@ -1,15 +1,14 @@
-"""What a training run records about itself: metrics.jsonl, memory readings, versions and hardware.
+"""What a run records about where it ran: memory readings, versions and hardware.
 
-For: the bookkeeping `sonar_fx.train` writes next to a run so that two runs can be compared (and a
-resumed run continues the same metrics file). Never: change what it measures or the run's state.
+For: the facts `summary.json` and the benchmarks store next to their numbers so that two runs can be
+compared. Never: change what it measures or the run's state.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +16,6 @@ import torch
 from torch import nn
 
 from sonar_fx.memory import process_peak_rss_bytes
-
-
-class MetricsFile:
-    """metrics.jsonl, one JSON object per step; a resumed run first drops the lines after its checkpoint."""
-
-    def __init__(self, path: Path, *, keep_until: int) -> None:
-        self.path, self.keep_until = path, keep_until
-        self.file: Any = None
-
-    def __enter__(self) -> MetricsFile:
-        kept = []
-        if self.keep_until and self.path.exists():
-            lines = self.path.read_text().splitlines()
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.keep_until]
-        self.file = self.path.open("w")
-        self.file.writelines(line + "\n" for line in kept)
-        return self
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()  # a crashed run still leaves every finished step on disk
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.close()
 
 
 def tensor_state_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:

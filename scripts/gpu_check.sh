@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The prepared GPU check: one run on a machine with one Hopper GPU (H200), about 9 minutes.
+#
+#   bash scripts/sonicmoe_env.sh fetch     # first, where PyPI is reachable (optional: without it sonicmoe is skipped)
+#   bash scripts/gpu_check.sh              # then on the GPU machine, from the repository root
+#
+# With the device tool: carry `.whl`, run `bash scripts/gpu_check.sh` with timeout_s=600; the files
+# under $OUT come back (at most 8): gpu_check.log, preflight.txt, junit.xml, results/gpu/results.json,
+# results/gpu_kernels/results.json. Copy results/* into this repository's results/ and run
+# `python -m benchmarks.readme`: the README's gpu and gpu_kernels sections are generated from them.
+#
+# Stages, in order of value, each under its own time limit (GPU_CHECK_<STAGE>_S) so that one slow
+# stage cannot starve the rest; a stage that fails or times out is logged and the next one runs:
+#   env        sonar-fx importable from this checkout without network (a symlink maps sonar_fx.passes
+#              to passes/, as the package-dir does when installed); sonic-moe from .whl/ when present
+#   preflight  versions, the GPU, the torch APIs the pass relies on, whether sonic-moe imports
+#   gpu        full-size OLMoE-1B-7B shapes (16 layers, bf16, batch 2, seq 256): standard,
+#              standard_no_expert_clip, sonar eager hooks, sonar compiled pass (inductor); memory and time
+#   kernels    every expert kernel backend against the fp32 reference (bf16 and fp32, tiny/OLMoE/Granite
+#              layer shapes; fp32 skipped with the reason where a backend has none), and exactness and
+#              memory of Sonar vs its twin per backend with eager hooks (2-layer OLMoE shapes); stopped
+#              at its limit (SIGTERM), it still writes what it measured
+#   tests      tests/test_kernels_gpu.py: the kernels against the reference (fp32 tolerance per path),
+#              and Sonar bitwise equal to its twin per backend, eager and inductor (tiny OLMoE)
+# Nothing here downloads anything. Run on the image's own python3, torch, triton and transformers
+# (the project's pins do not apply there).
+set -uo pipefail
+
+OUT=${OUT:-/tmp/sonar_gpu_check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT/results"
+LOG="$OUT/gpu_check.log"
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log output and status, never abort
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "=== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  rc=$?
+  echo "=== [$name] rc=$rc in $(($(date +%s) - start))s$([[ $rc == 124 ]] && echo ' (TIMED OUT)')" | tee -a "$LOG"
+}
+
+# env: no network on the GPU machine, so no pip install of this package: where it is not installed,
+# map the package-dir (passes/ ships as sonar_fx.passes) with a symlink in this throwaway copy.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import sonar_fx.passes" 2>/dev/null || ln -sfn ../passes sonar_fx/passes
+if compgen -G ".whl/*.whl" >/dev/null; then
+  # shellcheck source=scripts/sonicmoe_env.sh
+  source scripts/sonicmoe_env.sh install >>"$LOG" 2>&1 || echo "sonic-moe install failed (see log)" | tee -a "$LOG"
+else
+  echo "no .whl/: sonic-moe not installed (run scripts/sonicmoe_env.sh fetch first); sonicmoe is skipped" | tee -a "$LOG"
+fi
+
+stage preflight "${GPU_CHECK_PREFLIGHT_S:-60}" bash -c "'$PY' scripts/gpu_preflight.py 2>&1 | tee '$OUT/preflight.txt'"
+stage gpu "${GPU_CHECK_GPU_S:-240}" "$PY" -m benchmarks.gpu --quick
+stage kernels "${GPU_CHECK_KERNELS_S:-130}" "$PY" -m benchmarks.gpu_kernels --quick --compilers eager
+stage tests "${GPU_CHECK_TESTS_S:-100}" "$PY" -m pytest -q -rs --durations=10 -p no:cacheprovider \
+  --junitxml="$OUT/junit.xml" tests/test_kernels_gpu.py
+
+for script in gpu gpu_kernels; do
+  if [[ -f "results/$script/results.json" ]]; then
+    mkdir -p "$OUT/results/$script" && cp "results/$script/results.json" "$OUT/results/$script/"
+  fi
+done
+echo "=== done; files under $OUT:" | tee -a "$LOG"
+find "$OUT" -type f | tee -a "$LOG"

@@ -1,0 +1,23 @@
+"""The runtime layer: what runs while backward runs, found from the tensors it is handed.
+
+`registry` binds each expert parameter to the optimizer that owns it (weakly, both ways);
+`update_op` is the in-graph op `torch.ops.sonar_fx.expert_update_` that the graph pass inserts;
+`hooks` are the post-accumulate-grad hooks of the eager path. Nothing here is decided at compile
+time: a compiled graph that dynamo reuses for another module (another block, model or copy) updates
+the tensors it was handed, through their owner. This layer imports torch only; it never imports the
+passes, the backend or training code.
+"""
+
+from sonar_fx.runtime.hooks import register_expert_hooks
+from sonar_fx.runtime.registry import ExpertOwner, UnboundExpertError, bind, owner_of, unbind
+from sonar_fx.runtime.update_op import EXPERT_UPDATE_OP
+
+__all__ = [
+    "EXPERT_UPDATE_OP",
+    "ExpertOwner",
+    "UnboundExpertError",
+    "bind",
+    "owner_of",
+    "register_expert_hooks",
+    "unbind",
+]

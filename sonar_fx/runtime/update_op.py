@@ -1,0 +1,37 @@
+"""The in-graph expert update: `torch.ops.sonar_fx.expert_update_`, inserted by the graph pass.
+
+A `torch.library.custom_op` with a mutable schema, so no dead-code elimination removes it and
+inductor orders it after every earlier reader of the tensors it names as mutated: the parameter's
+aliases in the backward graph (the saved weight and its saved views). WHICH parameter, its owner,
+state and hyper-parameters are all found when the op runs, from the aliases the graph hands it: a
+graph dynamo reuses for another module updates that module's tensor, and an LR change never
+recompiles.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sonar_fx.runtime.registry import resolve
+
+
+# cudagraph_unsafe: the op decides in Python, at run time, which tensor to update and with which LR; a
+# CUDA graph replay would freeze those decisions, so inductor must keep it out of captured regions.
+@torch.library.custom_op(
+    "sonar_fx::expert_update_", mutates_args=("param_aliases",), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def expert_update_(grad: Tensor, param_aliases: list[Tensor]) -> None:
+    """Update the expert parameter that `param_aliases` (the weight or views of it) alias with `grad`."""
+    if not param_aliases:
+        raise RuntimeError("sonar_fx::expert_update_ needs at least one alias of the expert parameter.")
+    param, owner = resolve(param_aliases[0])
+    owner.update_expert_(param, grad, path="graph")
+
+
+@expert_update_.register_fake
+def _expert_update_fake(grad: Tensor, param_aliases: list[Tensor]) -> None:
+    return None
+
+
+EXPERT_UPDATE_OP = torch.ops.sonar_fx.expert_update_.default

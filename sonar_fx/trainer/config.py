@@ -1,0 +1,148 @@
+"""The configuration of one fine-tuning run, and the command-line flag of each of its fields.
+
+For: `TrainConfig` (frozen; None fields are resolved by `sonar_fx.trainer.validate`), `ConfigError`
+(which carries the flag it blames) and `FLAGS`, the one map from a config field to its flag that
+validation, checkpoint identity checks and the command line share. Never: validate, build or train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from sonar_fx.methods import Execution
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+FLAGS: dict[str, str] = {
+    "model_overrides": "--model-override",
+    "checkpoint": "--no-checkpoint",
+    "progress": "--no-progress",
+    # fields of the objects a TrainConfig holds, by the name their own errors carry
+    "compiler": "--compiler",
+    "sonar_pass": "--hooks-on-compiled",
+    "data": "--data",
+}
+"""Config field -> flag, where the flag is not `--` + the field with dashes."""
+
+
+def flag_of(field_name: str) -> str:
+    """The command-line flag that sets config field `field_name` (also AdamWConfig/Execution fields)."""
+    return FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+class ConfigError(ValueError):
+    """A flag or config value is invalid; the message names the flag and the fix; `flag` is the flag."""
+
+    def __init__(self, message: str, *, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One fine-tuning run; None fields are resolved by `plan_run` (see each field)."""
+
+    model: str = "tiny-olmoe"
+    """A built-in tiny model (`sonar_fx.models.TINY_MODELS`) or a local checkpoint directory."""
+    model_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Config fields of a built-in tiny model to override (e.g. num_experts); unknown keys are refused."""
+    data: str | None = None
+    """Alpaca .json / .jsonl file; None: the built-in synthetic instruction set."""
+    tokenizer: str | None = None
+    """"byte" or a local tokenizer directory; None: "byte" for tiny models, the model directory otherwise."""
+    method: str = "sonar"
+    """One of `sonar_fx.methods.METHODS`."""
+    execution: Execution = field(default_factory=lambda: Execution(compiler="inductor"))
+    """Eager, or compiled (inductor / aot_eager) with or without Sonar's graph pass."""
+    steps: int | None = None
+    """Optimizer steps; None: one pass over the training split."""
+    batch_size: int = 2
+    max_len: int = 256
+    """Tokens per example (longer examples are truncated)."""
+    lr: float | None = None
+    """Peak LR; None: 2e-5 (the paper's) for a checkpoint, 3e-3 for a tiny model trained from scratch."""
+    warmup: int | None = None
+    """Linear warm-up steps; None: 3% of the steps."""
+    min_lr: float = 0.0
+    """The cosine decay ends at this LR on the last step."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Global-norm clip (which gradients it covers is the method's); None: no clipping."""
+    nonfinite: Literal["raise", "skip", "ignore"] = "raise"
+    """Sonar methods: an inf/NaN gradient stops the run ("raise", nothing of that step applied), skips
+    the step and goes on ("skip", counted in the summary's sonar report) or is trained on ("ignore")."""
+    seed: int = 42
+    """Model init, split shuffle and batch order; in torch.manual_seed's range [-2**63, 2**64)."""
+    eval_every: int = 0
+    """Held-out evaluation every N steps (0: only before the first and after the last step)."""
+    held_out: int | None = None
+    """Held-out examples; None: 500 (the paper's), 0: no evaluation."""
+    train_size: int | None = None
+    """Training examples; None: 8000 for the built-in set, every record not held out for a file."""
+    dtype: Literal["bf16", "fp32"] | None = None
+    """Weights, gradients and optimizer states; None: bf16 on CUDA, fp32 on CPU (CPU bf16 GEMMs are slow)."""
+    device: str | None = None
+    """"cpu", "cuda" or "cuda:N"; None: "cuda" when available, else "cpu"."""
+    out: str = "runs/finetune"
+    """Folder for metrics.jsonl, summary.json and checkpoint.pt; a fresh run refuses one holding a run."""
+    overwrite: bool = False
+    """A fresh run may replace the run already in `out` (its checkpoint, metrics and summary)."""
+    resume: str | None = None
+    """A checkpoint file or run folder to continue from (bitwise, when every setting matches); "auto":
+    the checkpoint in `out`."""
+    save_every: int | None = None
+    """Checkpoint every N steps; None: every 10% of the steps; 0: only at the end. A run stopped by
+    SIGTERM/SIGINT also saves at the step boundary it stops at."""
+    stop_after: int | None = None
+    """Stop (with a checkpoint) after this many steps, as a preempted job would; the LR schedule still
+    spans `steps`."""
+    checkpoint: bool = True
+    """Write checkpoint.pt at all (the demo does not keep one per arm)."""
+    pad_to_max_len: bool | None = None
+    """Pad every batch to max_len; None: when compiled, so the graph compiles once for one shape."""
+    deterministic: bool = False
+    """`torch.use_deterministic_algorithms(True)` for the run: inductor's CPU kernels (e.g. the embedding
+    backward) otherwise accumulate in parallel, so two compiled fp32 runs can differ in the last bit
+    (CUDA also needs CUBLAS_WORKSPACE_CONFIG=:4096:8)."""
+    progress: bool = True
+
+
+IDENTITY_FIELDS = (
+    "model", "model_overrides", "dtype", "method", "steps", "batch_size", "max_len", "lr", "warmup",
+    "min_lr", "betas", "eps", "weight_decay", "max_grad_norm", "seed", "train_size", "held_out",
+    "pad_to_max_len", "deterministic",
+)  # fmt: skip
+"""Fields a resumed run must share with the run that wrote the checkpoint (plus the execution mode and
+the data hash): any difference would change the arithmetic of the remaining steps."""
+
+
+def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
+    """What a checkpoint records about its run, flat, keyed by config field (see `flag_of`)."""
+    fields = {k: getattr(cfg, k) for k in IDENTITY_FIELDS}
+    fields["model_overrides"] = dict(sorted(cfg.model_overrides.items()))
+    fields["compiler"] = cfg.execution.compiler
+    fields["sonar_pass"] = cfg.execution.sonar_pass
+    return {**fields, "data": data_hash}
+
+
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as plain JSON values for summary.json: the execution mode flattened into
+    `compiler` and `sonar_pass`, as the flags spell it."""
+    record: dict[str, Any] = {}
+    for name in cfg.__dataclass_fields__:
+        value = getattr(cfg, name)
+        if name == "execution":
+            record.update(compiler=value.compiler, sonar_pass=value.sonar_pass)
+        elif isinstance(value, Mapping):
+            record[name] = dict(value)
+        elif isinstance(value, tuple):
+            record[name] = list(value)
+        else:
+            record[name] = value
+    return record

@@ -1,0 +1,204 @@
+"""The `Trainer`: the step loop of a planned run, and what it does at each step boundary.
+
+For: running the steps of a `RunPlan` (a step is `TrainingMethod.train_step`, then the LR schedulers),
+held-out evaluation, one metrics line per finished step, checkpoints on the run's cadence, the
+progress bar, and stopping cleanly: on SIGTERM/SIGINT it finishes the step, saves and stops; a step
+that raises (in forward, backward, the optimizer step, or with a non-finite loss) ends the run with
+`StepFailed` and NOTHING from that step written, so `--resume` from the last checkpoint continues
+exactly. Never: build or validate anything, or touch a method's arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from sonar_fx import data as D
+from sonar_fx.memory import measure_peak
+from sonar_fx.methods import TrainingMethod
+from sonar_fx.trainer import checkpoint as ckpt_io
+from sonar_fx.trainer.environment import memory_now, tensor_state_bytes
+from sonar_fx.trainer.metrics import MetricsFile, RunStats
+from sonar_fx.trainer.plan import RunPlan
+from sonar_fx.trainer.rundir import METRICS
+from sonar_fx.trainer.signals import StopSignals
+
+WARMUP_STEPS = 2  # the first steps compile and allocate optimizer state: never timed
+
+
+class StepFailed(RuntimeError):
+    """A training step raised; nothing from it was written. The message says where to resume."""
+
+    def __init__(self, step: int, cause: BaseException, saved: tuple[int, Path] | None) -> None:
+        where = (
+            f"the last checkpoint is step {saved[0]} ({saved[1]}): continue from it with --resume"
+            if saved
+            else "no checkpoint was written yet: start again"
+        )
+        super().__init__(
+            f"step {step} failed ({type(cause).__name__}: {cause}); nothing from step {step} was written; "
+            f"{where}"
+        )
+        self.step, self.cause, self.saved = step, cause, saved
+
+
+@dataclass(frozen=True)
+class Outcome:
+    steps_done: int
+    stopped_by: str | None = None
+    """The signal that stopped the run early ("SIGTERM", "SIGINT"), or None."""
+    signum: int | None = None
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, examples: list[D.Example], batch_size: int, pad_id: int, device: str) -> float:
+    """Held-out loss: mean over every supervised token (not a mean of batch means)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        batch = D.collate(examples[i : i + batch_size], pad_id)
+        n = D.supervised_tokens(batch)
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+        total, count = total + float(loss) * n, count + n
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+class Trainer:
+    """Runs the steps of a planned, built run (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: RunPlan,
+        model: nn.Module,
+        method: TrainingMethod,
+        schedulers: list[torch.optim.lr_scheduler.LambdaLR],
+        stream: D.BatchStream,
+        *,
+        handle_signals: bool = False,
+    ) -> None:
+        """`handle_signals`: SIGTERM/SIGINT stop the run at the next step boundary with a checkpoint
+        (the command line's choice; a library caller keeps its own handlers by default)."""
+        self.plan, self.cfg, self.model, self.method = plan, plan.cfg, model, method
+        self.handle_signals = handle_signals
+        self.schedulers, self.stream = schedulers, stream
+        assert self.cfg.device is not None and self.cfg.save_every is not None  # resolved by `plan_run`
+        self.device, self.save_every = self.cfg.device, self.cfg.save_every
+        self.start, self.end = plan.start, plan.end
+        self.stats = RunStats(start=plan.start)
+        self.measure_at = self.start + min(WARMUP_STEPS, max(self.end - self.start - 1, 0))
+        self.saved: tuple[int, Path] | None = (
+            (plan.start, plan.checkpoint_path) if plan.checkpoint_path is not None else None
+        )
+
+    def run(self) -> Outcome:
+        """Train from `plan.start` to `plan.end`; raises `StepFailed` when a step raises."""
+        cfg = self.cfg
+        if self.start == 0 and self.plan.held_out:
+            self.stats.evals[0] = self._evaluate()
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if cfg.execution.compiled:
+            tqdm.write(f"compiling with {cfg.execution.compiler}: the first step takes a while")
+        bar = tqdm(total=self.plan.steps, initial=self.start, desc=f"{cfg.method}/{cfg.execution.label}",
+                   disable=not cfg.progress, dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+        metrics = MetricsFile(self.plan.out / METRICS, keep_until=self.start if self.saved else None)
+        with metrics, bar, StopSignals(enabled=self.handle_signals) as stop:
+            for step in range(self.start, self.end):
+                record = self._guarded_step(step)
+                metrics.write(record)
+                done = step + 1
+                if cfg.checkpoint and (done == self.end or stop.requested or self._due(done)):
+                    self._save(done)
+                bar.set_postfix(_postfix(record), refresh=False)
+                bar.update(1)
+                if stop.requested and done < self.end:
+                    return Outcome(done, stop.name, stop.signum)
+        return Outcome(self.end)
+
+    def _due(self, done: int) -> bool:
+        return self.save_every > 0 and done % self.save_every == 0
+
+    def _guarded_step(self, step: int) -> dict[str, Any]:
+        """One step and its evaluation; any exception becomes `StepFailed` before anything is written."""
+        try:
+            record = self._step(step)
+            done = step + 1
+            if self.plan.held_out and (
+                done == self.end or (self.cfg.eval_every and done % self.cfg.eval_every == 0)
+            ):
+                record["held_out_loss"] = self.stats.evals[done] = self._evaluate()
+                tqdm.write(f"step {done}: held-out loss {record['held_out_loss']:.4f}")
+            return record
+        except Exception as exc:
+            raise StepFailed(step + 1, exc, self.saved) from exc
+
+    def _step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        batch = self.stream.next_batch()
+        if cfg.pad_to_max_len:
+            batch = D.pad_to(batch, cfg.max_len, self.plan.tokenizer.pad_id)
+        n_tok = D.supervised_tokens(batch)
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        lr = self.method.optimizers[0].param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        if step == self.measure_at:
+            state_bytes = tensor_state_bytes(self.model, self.method.optimizers)
+            loss, peak = measure_peak(lambda: self.method.train_step(batch), self.device)
+            self.stats.peak = {
+                "step": step + 1,
+                "state_bytes": state_bytes,
+                "transient_bytes": peak.peak_bytes,
+            }
+        else:
+            loss = self.method.train_step(batch)
+        loss_value = float(loss)  # synchronizes, so the time below is the whole step
+        seconds = time.perf_counter() - t0
+        finite = math.isfinite(loss_value)
+        if not finite and self.cfg.nonfinite == "raise":
+            raise FloatingPointError(f"training loss is {loss_value}; lower --lr or check the data")
+        for sched in self.schedulers:
+            sched.step()
+        if step - self.start >= WARMUP_STEPS and step != self.measure_at:
+            self.stats.times.append(seconds)
+            self.stats.tokens.append(n_tok)
+        if finite:
+            self.stats.losses.append(loss_value)
+        # A non-finite loss under --nonfinite skip/ignore: the line says so (strict JSON has no NaN).
+        return {"step": step + 1, "loss": loss_value if finite else None, "nonfinite_loss": not finite,
+                "lr": lr, "step_ms": seconds * 1e3, "supervised_tokens": n_tok,
+                "tokens_per_s": n_tok / seconds, "epoch": self.stream.epoch,
+                **memory_now(self.device)}  # fmt: skip
+
+    def _evaluate(self) -> float:
+        bs = max(self.cfg.batch_size, 8)
+        return evaluate(self.model, self.plan.held_out, bs, self.plan.tokenizer.pad_id, self.device)
+
+    def _save(self, done: int) -> None:
+        path = self.plan.out / ckpt_io.FILENAME
+        ckpt_io.save_checkpoint(
+            path,
+            identity=self.plan.identity,
+            step=done,
+            model=self.model,
+            optimizers=self.method.optimizers,
+            schedulers=self.schedulers,
+            stream_state=self.stream.state_dict(),
+        )
+        self.saved = (done, path)
+
+
+def _postfix(record: Mapping[str, Any]) -> dict[str, str]:
+    mem = record.get("cuda_max_allocated_mib", record.get("peak_rss_mib", 0.0))
+    loss = record["loss"]
+    return {"loss": "nan" if loss is None else f"{loss:.3f}", "ms": f"{record['step_ms']:.0f}",
+            "tok/s": f"{record['tokens_per_s']:.0f}", "peak": f"{mem:.0f}MiB"}  # fmt: skip

@@ -1,0 +1,232 @@
+"""Validation of a `TrainConfig`: the one place where a run's flags are checked and resolved.
+
+For: every check of a flag's value (ranges, device, seed, the optimizer's hyper-parameters, model
+overrides: known keys, value types and sizes) and the resolution of the None fields, raising
+`ConfigError` with the flag named and the fix. Errors of the objects a config builds (`AdamWConfig`,
+`Execution`) carry their field (`ConfigFieldError.field`), which `flag_of` turns into the flag: no
+message is ever parsed. Never: read data, write files or train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar_fx.config import AdamWConfig, ConfigFieldError
+from sonar_fx.methods import METHODS
+from sonar_fx.models import TINY_MODELS, build_model
+from sonar_fx.optim.optimizer import NONFINITE
+from sonar_fx.trainer.config import DTYPES, ConfigError, TrainConfig, flag_of
+
+SEED_RANGE = (-(2**63), 2**64)  # what torch.manual_seed accepts
+_SIZE_KEY = re.compile(r"^num_|_size$|_dim$|^top_k$|_per_tok$|^max_position_embeddings$")
+"""Override keys that are counts or sizes: they must be >= 1."""
+_TOP_K = (("top_k", "num_experts"), ("num_experts_per_tok", "num_experts"),
+          ("num_experts_per_tok", "num_local_experts"))  # fmt: skip
+
+
+def field_error(exc: ConfigFieldError) -> ConfigError:
+    """A `ConfigFieldError` of an object built from flags, as a `ConfigError` naming the flag."""
+    flag = flag_of(exc.field)
+    return ConfigError(f"{flag}: {exc}", flag=flag)
+
+
+def check_flags(cfg: TrainConfig) -> None:
+    """Range checks of single flags, in the order the flags read; raises the first failure."""
+    checks = [
+        (cfg.method in METHODS, "method", f"one of {', '.join(METHODS)}"),
+        (cfg.nonfinite in NONFINITE, "nonfinite", f"one of {', '.join(NONFINITE)}"),
+        (cfg.nonfinite == "raise" or cfg.method.startswith("sonar"), "nonfinite", "'raise' for a baseline"),
+        (cfg.dtype in (None, *DTYPES), "dtype", f"one of {', '.join(DTYPES)}"),
+        (cfg.steps is None or cfg.steps >= 1, "steps", ">= 1"),
+        (cfg.batch_size >= 1, "batch_size", ">= 1"),
+        (cfg.max_len >= 2, "max_len", ">= 2"),
+        (cfg.warmup is None or cfg.warmup >= 0, "warmup", ">= 0"),
+        (cfg.min_lr >= 0 and math.isfinite(cfg.min_lr), "min_lr", "a finite number >= 0"),
+        (SEED_RANGE[0] <= cfg.seed < SEED_RANGE[1], "seed", "an integer in [-2**63, 2**64)"),
+        (cfg.eval_every >= 0, "eval_every", ">= 0"),
+        (cfg.held_out is None or cfg.held_out >= 0, "held_out", ">= 0"),
+        (cfg.train_size is None or cfg.train_size >= 1, "train_size", ">= 1"),
+        (cfg.save_every is None or cfg.save_every >= 0, "save_every", ">= 0"),
+        (cfg.stop_after is None or cfg.stop_after >= 1, "stop_after", ">= 1"),
+    ]
+    for ok, name, expected in checks:
+        if not ok:
+            flag = flag_of(name)
+            raise ConfigError(f"{flag} {getattr(cfg, name)!r} is invalid: expected {expected}", flag=flag)
+    if cfg.lr is not None:
+        adamw_config(cfg, cfg.lr)  # --lr is checked by the optimizer config, before --min-lr compares to it
+    check_device(cfg.device)
+    if cfg.overwrite and cfg.resume is not None:
+        resumed = Path(cfg.out if cfg.resume == "auto" else cfg.resume).resolve()
+        if resumed == Path(cfg.out).resolve() or Path(cfg.out).resolve() in resumed.parents:
+            raise ConfigError(
+                "--overwrite replaces the run in --out, --resume continues it: pass one of them",
+                flag="--overwrite",
+            )
+
+
+def check_device(device: str | None) -> None:
+    """cpu, cuda or cuda:N (N a visible device); None picks one."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind is None or kind.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r} is invalid: expected cpu, cuda or cuda:N", flag="--device")
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {device}: CUDA is not available here; use --device cpu", flag="--device"
+            )
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here", flag="--device"
+            )
+
+
+def adamw_config(cfg: TrainConfig, lr: float) -> AdamWConfig:
+    """The optimizer config of a run; a bad value is blamed on its own flag."""
+    try:
+        return AdamWConfig(
+            lr=lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            max_grad_norm=cfg.max_grad_norm,
+        )
+    except ConfigFieldError as exc:
+        raise field_error(exc) from exc
+
+
+def check_overrides(model: str, overrides: Mapping[str, Any]) -> None:
+    """Refuse override keys the model's config does not have, values of the wrong type, sizes < 1 and
+    a top-k above the expert count, naming the key."""
+    if not overrides:
+        return
+    if model not in TINY_MODELS:
+        raise ConfigError(
+            "--model-override applies to built-in tiny models only; drop it for a checkpoint",
+            flag="--model-override",
+        )
+    cls, extra = _config_class(model)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    aliases: dict[str, str] = dict(getattr(cls, "attribute_map", {}))
+    for key, value in overrides.items():
+        name = aliases.get(key, key)
+        if name not in fields:
+            close = difflib.get_close_matches(key, [*fields, *aliases], n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(
+                f"--model-override {key}: {model}'s config ({cls.__name__}) has no field {key!r}; {hint}"
+                f"known fields include {', '.join(sorted(n for n in fields if _SIZE_KEY.search(n)))}",
+                flag="--model-override",
+            )
+        _check_override_value(key, value, fields[name].default)
+    try:
+        built = cls(**{**extra, **overrides})
+    except Exception as exc:  # the config class's own validation; re-raised naming the flag
+        raise ConfigError(
+            f"--model-override: {model}'s config refuses these values ({type(exc).__name__}: {exc})",
+            flag="--model-override",
+        ) from exc
+    for k, n in _TOP_K:
+        top_k, experts = getattr(built, k, None), getattr(built, n, None)
+        if isinstance(top_k, int) and isinstance(experts, int) and top_k > experts:
+            raise ConfigError(
+                f"--model-override: {k}={top_k} routes each token to more experts than {n}={experts}",
+                flag="--model-override",
+            )
+
+
+def _check_override_value(key: str, value: Any, default: Any) -> None:
+    kind = type(default)
+    ok = True
+    if default is None or default is dataclasses.MISSING:
+        return  # no default to learn the type from: the config class validates it
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(
+            f"--model-override {key}={value!r}: expected {kind.__name__} (like the default {default!r})",
+            flag="--model-override",
+        )
+    if kind is int and _SIZE_KEY.search(key) and value < 1:
+        raise ConfigError(
+            f"--model-override {key}={value}: a count or size, expected >= 1", flag="--model-override"
+        )
+
+
+def _config_class(model: str) -> tuple[type, dict[str, Any]]:
+    cls_name, extra = TINY_MODELS[model]
+    if cls_name == "ReferenceMoEConfig":
+        from sonar_fx.models.reference import ReferenceMoEConfig
+
+        return ReferenceMoEConfig, dict(extra)
+    import transformers
+
+    return getattr(transformers, cls_name), dict(extra)
+
+
+def build_checked_model(cfg: TrainConfig) -> nn.Module:
+    """The run's model (seeded init); a model that cannot be built from the overrides names the flag."""
+    assert cfg.dtype is not None
+    try:
+        return build_model(cfg.model, dtype=DTYPES[cfg.dtype], seed=cfg.seed, **cfg.model_overrides)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if not cfg.model_overrides:
+            raise
+        raise ConfigError(
+            f"--model-override: {cfg.model} cannot be built with {dict(cfg.model_overrides)} "
+            f"({type(exc).__name__}: {exc})",
+            flag="--model-override",
+        ) from exc
+
+
+def resolve(
+    cfg: TrainConfig, *, local: bool, n_train: int, n_held_out: int
+) -> tuple[TrainConfig, AdamWConfig]:
+    """The config with every None field resolved (see `TrainConfig`), and its optimizer config."""
+    if n_train < cfg.batch_size:
+        raise ConfigError(
+            f"only {n_train} training examples for --batch-size {cfg.batch_size}; lower the batch size or "
+            "add data (--train-size, --data)",
+            flag="--batch-size",
+        )
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    steps = cfg.steps or n_train // cfg.batch_size
+    lr = cfg.lr if cfg.lr is not None else (2e-5 if local else 3e-3)
+    opt_cfg = adamw_config(cfg, lr)
+    if cfg.min_lr > lr:
+        raise ConfigError(
+            f"--min-lr {cfg.min_lr} is above --lr {lr}: the cosine decays down to --min-lr", flag="--min-lr"
+        )
+    resolved = dataclasses.replace(
+        cfg,
+        device=device,
+        steps=steps,
+        lr=lr,
+        warmup=cfg.warmup if cfg.warmup is not None else math.ceil(0.03 * steps),
+        dtype=cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+        train_size=n_train,
+        held_out=n_held_out,
+        save_every=cfg.save_every if cfg.save_every is not None else math.ceil(steps / 10),
+        pad_to_max_len=cfg.pad_to_max_len if cfg.pad_to_max_len is not None else cfg.execution.compiled,
+    )
+    return resolved, opt_cfg

@@ -1,0 +1,156 @@
+"""Faults during backward and non-finite gradients: an in-backward update cannot be taken back, so
+Sonar must say exactly what a failed step did, recover on request, and never train on inf/NaN."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import sonar_fx
+from sonar_fx.models import build_model
+
+from ablations import inject_backward_fault
+from helpers import CFG, assert_same_weights, batches
+
+COMPILERS = ["eager", "aot_eager"]
+UPPER = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"]
+
+
+def _model(compiler, **kwargs):
+    torch._dynamo.reset()
+    return sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler=compiler, **kwargs)
+
+
+def _step(model, batch, scale=1.0):
+    (model(**batch).loss * scale).backward()
+    model.sonar.step()
+    model.sonar.zero_grad()
+
+
+def _state(model):
+    """Weights and optimizer state, copied."""
+    return copy.deepcopy({"model": model.state_dict(), "opt": model.sonar.state_dict()})
+
+
+def _same_state(a, b):
+    flat = lambda d: {  # noqa: E731
+        **{("m", k): v for k, v in d["model"].items()},
+        **{("s", i, k): v for i, s in d["opt"]["state"].items() for k, v in s.items()},
+    }
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_fault_mid_backward_is_reported_and_recovery_is_explicit(compiler):
+    model = _model(compiler)
+    fault = {"on": False}
+    inject_backward_fault(model.model.layers[0], lambda: fault["on"])
+    b0, b1, b2 = batches(3)
+    _step(model, b0)
+    fault["on"] = True
+    with pytest.raises(RuntimeError, match="injected fault"):
+        model(**b1).loss.backward()
+    fault["on"] = False
+    progress = model.sonar.report()["step_in_progress"]
+    assert progress["updated"] == sorted(UPPER) and progress["backward_unfinished"]
+    with pytest.raises(sonar_fx.InterruptedStepError, match=r"abandon_step\(\)") as err:
+        model.sonar.step()
+    assert sorted(err.value.updated) == sorted(UPPER)
+    model.sonar.zero_grad()  # the usual recovery: skip the batch...
+    with pytest.raises(sonar_fx.InterruptedStepError):  # ...is refused with the same clear error
+        model(**b2).loss.backward()
+    assert sorted(model.sonar.abandon_step()) == sorted(UPPER)
+    _step(model, b2)  # training goes on
+    report = model.sonar.report()
+    assert [sorted(a) for a in report["abandoned_steps"]] == [sorted(UPPER)]
+    steps = {
+        t.name: int(model.sonar.state[t.param]["step"])
+        for layer in model.sonar.expert_layers
+        for t in layer.tensors
+    }
+    assert steps == {name: 3 if name in UPPER else 2 for name in steps}, "the partial update is counted"
+
+
+def test_restoring_the_last_checkpoint_after_a_fault_equals_an_uninterrupted_run():
+    data = batches(3)
+    straight = _model("aot_eager")
+    for b in data:
+        _step(straight, b)
+
+    model = _model("aot_eager")
+    fault = {"on": False}
+    inject_backward_fault(model.model.layers[0], lambda: fault["on"])
+    _step(model, data[0])
+    checkpoint = _state(model)
+    fault["on"] = True
+    with pytest.raises(RuntimeError, match="injected fault"):
+        model(**data[1]).loss.backward()
+    fault["on"] = False
+    model.sonar.abandon_step()
+    model.load_state_dict(checkpoint["model"])
+    model.sonar.load_state_dict(checkpoint["opt"])
+    for b in data[1:]:
+        _step(model, b)
+    assert_same_weights(model, straight)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_nonfinite_raise_names_the_tensors_and_touches_nothing(compiler):
+    model = _model(compiler)
+    b0, b1, b2 = batches(3)
+    _step(model, b0)
+    before = _state(model)
+    with pytest.raises(sonar_fx.NonFiniteGradientError, match="non-finite expert gradients") as err:
+        (model(**b1).loss * float("nan")).backward()
+    assert sorted(err.value.tensors) == sorted(
+        t.name for layer in model.sonar.expert_layers for t in layer.tensors
+    )
+    with pytest.raises(sonar_fx.InterruptedStepError):
+        model.sonar.step()
+    model.sonar.abandon_step()
+    assert _same_state(before, _state(model)), "a weight or moment moved on a non-finite gradient"
+    _step(model, b2)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_nonfinite_skip_equals_never_seeing_the_batch(compiler):
+    b0, bad, b1 = batches(3)
+    model = _model(compiler, nonfinite="skip")
+    _step(model, b0)
+    with pytest.warns(UserWarning, match="step skipped"):
+        _step(model, bad, scale=float("inf"))
+    _step(model, b1)
+    clean = _model(compiler, nonfinite="skip")
+    _step(clean, b0)
+    _step(clean, b1)
+    assert_same_weights(model, clean)
+    assert _same_state(_state(model), _state(clean)), "moments or step counts differ"
+    report = model.sonar.report()
+    assert report["skipped_steps"] == 1
+    assert report["skipped_updates"] == {
+        t.name: 1 for layer in model.sonar.expert_layers for t in layer.tensors
+    }
+
+
+def test_nonfinite_dense_gradient_raises_before_the_dense_update():
+    model = _model("eager")
+    b0, b1 = batches(2)
+    _step(model, b0)
+    model(**b1).loss.backward()
+    dense = model.model.embed_tokens.weight
+    dense.grad[0, 0] = float("nan")
+    before = _state(model)
+    with pytest.raises(sonar_fx.NonFiniteGradientError, match=r"model\.embed_tokens\.weight") as err:
+        model.sonar.step()
+    assert err.value.tensors == ["model.embed_tokens.weight"]
+    after = _state(model)
+    assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
+
+
+def test_nonfinite_ignore_trains_on_nan_as_before():
+    model = _model("eager", nonfinite="ignore")
+    _step(model, batches(1)[0], scale=float("nan"))
+    assert all(t.param.isnan().any() for layer in model.sonar.expert_layers for t in layer.tensors)
