@@ -30,7 +30,7 @@ test: lint
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
 # step times swing), then the README "Results" section is regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
-BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers
+BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers endurance
 bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b $(BENCH_ARGS) || exit 1; done
 	$(PY) -m benchmarks.readme

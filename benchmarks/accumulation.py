@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Plan, by_label, ratio, run_arms
-from benchmarks.common import Table, fmt_ratio, mib
-from benchmarks.workload import SHAPES, Batch, make_batches
+from benchmarks.arms import Arm, ArmResult, Plan, by_label, run_arms
+from benchmarks.common import Table, mib
+from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
+from sonar_fx.measure import fmt_ratio, ratio
 from sonar_fx.methods import TrainingMethod
+from sonar_fx.workload import Batch, make_batches
 
 SCRIPT = "accumulation"
 

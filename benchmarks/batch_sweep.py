@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Plan, by_label, ratio, run_arms
-from benchmarks.common import Table, fmt_ratio, mib
-from benchmarks.workload import SHAPES, make_batches
+from benchmarks.arms import Arm, ArmResult, Plan, by_label, run_arms
+from benchmarks.common import Table, mib
+from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
+from sonar_fx.measure import fmt_ratio, ratio
+from sonar_fx.workload import make_batches
 
 SCRIPT = "batch_sweep"
 PAIRS = {  # execution -> (baseline label, sonar label)

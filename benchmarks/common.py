@@ -1,9 +1,10 @@
 """The benchmark harness: environment header, spread statistics, tables, results I/O and the CLI.
 
 Every script states the hardware, the torch version and the load of the machine it ran on, reports a
-spread (median, quartiles, min, max) for every timing, prints its tables with tabulate and writes them,
-with the raw measurements, to `results/<script>/results.json`, from which `benchmarks.readme`
-regenerates the README. This module never builds models or trains; see `workload` and `arms`.
+spread (median, quartiles: `sonar_fx.measure.Spread`) for every timing, prints its tables with tabulate
+and writes them, with the raw measurements, to `results/<script>/results.json`, from which
+`benchmarks.readme` regenerates the README. This module never builds models, trains or measures; see
+`workload`, `arms` and `sonar_fx.measure`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import sys
 import warnings
 from collections.abc import Sequence
@@ -79,44 +79,6 @@ def environment(device: str = "cpu") -> Env:
         python=platform.python_version(),
         device=dev,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Spread:
-    """Summary of repeated measurements: the median with quartiles and extremes (the noise, stated)."""
-
-    median: float
-    q25: float
-    q75: float
-    min: float
-    max: float
-    n: int
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        if not values:
-            raise ValueError("Spread.of needs at least one value")
-        xs = sorted(float(v) for v in values)
-        q25, q75 = (xs[0], xs[0]) if len(xs) == 1 else _quartiles(xs)
-        return cls(median=statistics.median(xs), q25=q25, q75=q75, min=xs[0], max=xs[-1], n=len(xs))
-
-    def fmt(self, digits: int = 0) -> str:
-        """`median [q25-q75]`, the interquartile range being the honest noise band of a shared machine."""
-        if self.n == 1:
-            return f"{self.median:.{digits}f}"
-        return f"{self.median:.{digits}f} [{self.q25:.{digits}f}-{self.q75:.{digits}f}]"
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def paired_ratio(a: Sequence[float], b: Sequence[float]) -> Spread:
-    """Spread of a[i] / b[i]: arms timed in the same round share the machine's momentary load."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired_ratio needs equal, non-empty sequences (got {len(a)} and {len(b)})")
-    return Spread.of([x / y for x, y in zip(a, b, strict=True)])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,12 +275,3 @@ def start(
 
 def mib(nbytes: float) -> float:
     return nbytes / 2**20
-
-
-def fmt_ratio(spread: Spread | None) -> str:
-    """A paired time ratio as `0.83x [0.80-0.86]`, or '-' when it was not measured."""
-    if spread is None:
-        return "-"
-    if spread.n == 1:
-        return f"{spread.median:.2f}x"
-    return f"{spread.median:.2f}x [{spread.q25:.2f}-{spread.q75:.2f}]"

@@ -7,16 +7,16 @@ seq 256. Arms run one after another (a 7B model with AdamW state is ~55 GB): sta
 standard_no_expert_clip, sonar with eager hooks, sonar compiled (the pass); `--compiled-standard` adds
 the compiled baseline; `--experts-kernel sonicmoe|scattermoe|torch` computes the experts with that
 kernel backend in every arm (the paper's numbers use SonicMoE; the default is transformers' own
-grouped_mm). Reported: `max_memory_allocated` / `max_memory_reserved` over one step after
-warm-up, and the median step time over the steps after it. `--device cpu --tiny` is the smoke mode a
-test runs (same code path, a tiny config on CPU, results under results/gpu_smoke).
+grouped_mm). Reported: `max_memory_allocated` / `max_memory_reserved` over one step after warm-up,
+and the median step time over the steps after it (`sonar_fx.measure`; the arms do not fit side by
+side, so each runs its rounds alone and "× standard" is a ratio of medians, not of paired rounds).
+`--device cpu --tiny` is the smoke mode a test runs (same code path, a tiny config on CPU, results
+under results/gpu_smoke).
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,12 +25,12 @@ from torch import nn
 
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Spread, Table
-from benchmarks.workload import predicted_saving
+from benchmarks.common import Table
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.experts.kernels import BACKENDS, use_kernel_backend
-from sonar_fx.memory import measure_peak
+from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, short_error
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim.optimizer import SonarOptimizer
 
 SCRIPT = "gpu"
@@ -95,36 +95,26 @@ def batches(cfg: Config, vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
 def measure(arm: Arm, cfg: Config) -> dict[str, Any]:
     """Build one arm, warm it up, measure one step's memory, time the next `cfg.steps` steps."""
     model = build(cfg)
-    layers = discover_experts(model)
+    grads = ExpertGradBytes.of(discover_experts(model))
     method = arm.build(model, cfg.opt)
     vocab = (TINY if cfg.tiny else OLMOE_1B_7B)["vocab_size"]
     data = batches(cfg, vocab, cfg.warmup + 1 + cfg.steps)
-    start = time.perf_counter()
-    for b in data[: cfg.warmup]:
-        method.train_step(b)
-    _sync(cfg.device)
-    warmup_s = time.perf_counter() - start
-    gc.collect()
-    if cfg.device.startswith("cuda"):
-        torch.cuda.empty_cache()  # reserved bytes then reflect this step, not earlier arms' cache
-    _, peak = measure_peak(lambda: method.train_step(data[cfg.warmup]), cfg.device)
-    times = []
-    for b in data[cfg.warmup + 1 :]:
-        _sync(cfg.device)
-        t = time.perf_counter()
-        method.train_step(b)
-        _sync(cfg.device)
-        times.append(time.perf_counter() - t)
+    # One arm at a time (a 7B model with AdamW state is ~55 GB): rounds of one, so no pairing.
+    result = measure_arm(ArmResult(label=arm.label), method.train_step, data[: cfg.warmup], data[cfg.warmup],
+                         device=cfg.device)  # fmt: skip
+    run_rounds([(result, method.train_step)], data[cfg.warmup + 1 :])
+    if result.error is not None:
+        raise RuntimeError(result.error)
     report = method.optimizer.report() if isinstance(method.optimizer, SonarOptimizer) else {}
     return {
         "arm": arm.label,
-        "warmup_s": warmup_s,
-        "peak_step_bytes": peak.peak_bytes,
-        "max_allocated_bytes": peak.allocated_bytes,
-        "max_reserved_bytes": peak.reserved_bytes,
-        "step_s": times,
-        "predicted_saving_bytes": predicted_saving(layers),
-        "expert_grad_bytes": sum(x.grad_bytes() for x in layers),
+        "warmup_s": result.warmup_s,
+        "peak_step_bytes": result.peak_bytes,
+        "max_allocated_bytes": result.allocated_bytes,
+        "max_reserved_bytes": result.reserved_bytes,
+        "step_s": result.step_s,
+        "predicted_saving_bytes": grads.predicted_saving,
+        "expert_grad_bytes": grads.total,
         "updates_in_graph": report.get("updates_in_graph"),
         "updates_by_hook": report.get("updates_by_hook"),
         "fallbacks": report.get("fallbacks", []),
@@ -138,7 +128,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         try:
             records.append(measure(arm, cfg))
         except Exception as err:  # reported in the table; the other arms still run
-            records.append({"arm": arm.label, "error": f"{type(err).__name__}: {err}"[:300]})
+            records.append({"arm": arm.label, "error": short_error(err)})
         torch._dynamo.reset()
         gc.collect()
         if cfg.device.startswith("cuda"):
@@ -163,7 +153,8 @@ def table(records: list[dict[str, Any]], cfg: Config) -> Table:
     shape = "tiny smoke config" if cfg.tiny else "OLMoE-1B-7B shapes, random weights"
     note = (
         f"{shape}, bf16, batch {cfg.batch}, seq {cfg.seq}, experts kernel {cfg.experts_kernel}; "
-        f"step ms: median [IQR] of {cfg.steps} steps."
+        f"step ms: median [IQR] of {cfg.steps} steps; × standard: ratio of medians (arms run one after "
+        "another)."
     )
     return Table(title="Full-size OLMoE on one GPU", headers=headers, rows=rows, note=note)
 
@@ -177,17 +168,13 @@ def _row(r: dict[str, Any], base: dict[str, Any] | None, unit: int) -> list[str]
         paths = f"{r['updates_in_graph']} graph / {r['updates_by_hook']} hook"
     if base is not None and r is not base:
         saved = f"{(base['peak_step_bytes'] - r['peak_step_bytes']) / r['predicted_saving_bytes']:.0%}"
-        x_std = f"{statistics.median(r['step_s']) / statistics.median(base['step_s']):.2f}x"
+        # Arms ran one after another: a ratio of medians, not of paired rounds.
+        x_std = f"{Spread.of(r['step_s']).median / Spread.of(base['step_s']).median:.2f}x"
     return [
         r["arm"], size(r["max_allocated_bytes"]), size(r["max_reserved_bytes"]), size(r["peak_step_bytes"]),
         saved, Spread.of([t * 1e3 for t in r["step_s"]]).fmt(1), x_std,
         paths,
     ]  # fmt: skip
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,7 +63,8 @@ from sonar_fx.experts.kernels import (
 from sonar_fx.experts.kernels.scattermoe import fp32_matmul_precision
 from sonar_fx.experts.kernels.scattermoe import implementation as scattermoe_implementation
 from sonar_fx.experts.kernels.torch_backend import experts_forward_ref
-from sonar_fx.memory import measure_peak
+from sonar_fx.measure import ArmResult, measure_arm
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
@@ -203,10 +204,11 @@ def train(cfg: Config, backend: str, method: str, compiler: str, dtype: torch.dt
     use_kernel_backend(model, backend)
     run = build_method(method, model, OPT, compiler=compiler)
     data = batches(cfg, int(getattr(model.config, "vocab_size")))  # noqa: B009 (typed Module | Tensor)
-    for batch in data[:-1]:
-        run.train_step(batch)
-    _, peak = measure_peak(lambda: run.train_step(data[-1]), cfg.device)
-    return model, run, peak.peak_bytes
+    label = f"{method} · {backend} · {compiler}"
+    result = measure_arm(ArmResult(label=label), run.train_step, data[:-1], data[-1], device=cfg.device)
+    if result.error is not None:
+        raise RuntimeError(result.error)
+    return model, run, result.peak_bytes
 
 
 def check_exactness(cfg: Config, backend: str, compiler: str, dtype: torch.dtype) -> Exactness:
@@ -225,7 +227,7 @@ def check_exactness(cfg: Config, backend: str, compiler: str, dtype: torch.dtype
         tensors=len(mine), differing=differing, max_abs_diff=max_diff,
         updates_in_graph=report["updates_in_graph"], updates_by_hook=report["updates_by_hook"],
         standard_peak_mib=common.mib(twin_peak), sonar_peak_mib=common.mib(sonar_peak),
-        expert_grad_mib_per_layer=common.mib(layers[0].grad_bytes()), layers=len(layers),
+        expert_grad_mib_per_layer=common.mib(ExpertGradBytes.of(layers).one_layer), layers=len(layers),
     )  # fmt: skip
 
 

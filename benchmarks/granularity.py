@@ -12,10 +12,12 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, ratio, run_arms
-from benchmarks.common import Goal, Table, fmt_ratio, mib
-from benchmarks.workload import SHAPES, Workload, make_batches
+from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, run_arms
+from benchmarks.common import Goal, Table, mib
+from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
+from sonar_fx.measure import fmt_ratio, ratio
+from sonar_fx.workload import make_batches
 
 SCRIPT = "granularity"
 LABEL = {"eager": "eager hooks", "pass": "compiled pass"}

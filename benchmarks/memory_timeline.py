@@ -21,10 +21,12 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import common
 from benchmarks.arms import Arm
 from benchmarks.common import Table, mib
-from benchmarks.workload import SHAPES, Workload, make_batches
+from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import TrainingMethod
+from sonar_fx.workload import make_batches
 
 SCRIPT = "memory_timeline"
 PHASES = ("forward", "backward", "optimizer")
@@ -121,11 +123,8 @@ def run(cfg: Config) -> tuple[list[Timeline], dict[str, float]]:
     for arm in cfg.arms:
         print(f"  {arm.label}", flush=True)
         model = shape.build(w.torch_dtype)
-        layers = discover_experts(model)
-        grads = {
-            "one_layer": mib(max(x.grad_bytes() for x in layers)),
-            "all": mib(sum(x.grad_bytes() for x in layers)),
-        }
+        expert_grads = ExpertGradBytes.of(discover_experts(model))
+        grads = {"one_layer": mib(expert_grads.one_layer), "all": mib(expert_grads.total)}
         method = arm.build(model, AdamWConfig(lr=cfg.lr))
         for b in data[: cfg.warmup]:
             method.train_step(b)

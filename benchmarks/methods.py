@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, ratio, run_arms
-from benchmarks.common import Goal, Table, fmt_ratio, mib
-from benchmarks.workload import SHAPES, Workload, make_batches
+from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, run_arms
+from benchmarks.common import Goal, Table, mib
+from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
+from sonar_fx.measure import Spread, fmt_ratio, ratio
 from sonar_fx.methods import METHODS
+from sonar_fx.workload import make_batches
 
 SCRIPT = "methods"
 BASELINE = {"eager": "standard · eager", "compiled": "standard · compiled", "pass": "standard · compiled"}
@@ -189,7 +191,7 @@ def _saving_goal(name: str, r: ArmResult | None, base: ArmResult | None) -> Goal
     )
 
 
-def _time_goal(name: str, spread: common.Spread | None, limit: float) -> Goal:
+def _time_goal(name: str, spread: Spread | None, limit: float) -> Goal:
     met = None if spread is None else spread.median <= limit
     return Goal(name=name, target=f"<= {limit:.2f}x", measured=fmt_ratio(spread), met=met)
 

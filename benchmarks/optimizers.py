@@ -7,23 +7,25 @@ with global clipping, whose exact twin is "global" (two backward passes instead 
 expert gradient). The cost of logging each expert gradient's norm (taken inside the update) against
 the same run with the norms off. Low-bit expert states (torchao, 8 and 4 bits): the bytes of the
 expert optimizer states and the step time. All arms of a table run round-robin in one process, so
-every time ratio pairs steps taken under the same load; memory is measured once per arm.
+every time ratio pairs steps taken under the same load; memory is measured once per arm. The cost of
+the non-finite check (`nonfinite="raise"`, the default) against the same run with `nonfinite="ignore"`.
+Arms are measured by `sonar_fx.measure` (interleaved rounds, paired ratios).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.benchmark import timer
 
 from benchmarks import common
-from benchmarks.common import Goal, Spread, Table, fmt_ratio, mib, paired_ratio
+from benchmarks.common import Goal, Table, mib
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
-from sonar_fx.memory import measure_peak
+from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.adamw import nonfinite_flag
@@ -67,28 +69,34 @@ OPTIMIZERS: dict[str, OptimizerConfig] = {
 }
 
 
-@dataclass
-class Arm:
-    """One trained setup: its label, method and the measurements of its timed steps."""
+@dataclass(kw_only=True)
+class Arm(ArmResult):
+    """One trained setup: how to build it, and what it measured."""
 
-    label: str
     build: Callable[[], tuple[torch.nn.Module, TrainingMethod]]
-    times: list[float] = field(default_factory=list)
-    peak_bytes: int = 0
     expert_state_bytes: int = 0
     model: torch.nn.Module | None = None
     method: TrainingMethod | None = None
 
 
-def _arm(label: str, method: str, cfg: OptimizerConfig, run: Config, *, norms: bool = True) -> Arm:
+def _arm(
+    label: str,
+    method: str,
+    cfg: OptimizerConfig,
+    run: Config,
+    *,
+    norms: bool = True,
+    nonfinite: str = "raise",
+) -> Arm:
     def build() -> tuple[torch.nn.Module, TrainingMethod]:
         model = build_model(run.model, seed=0, **run.overrides)
-        m = build_method(method, model, cfg, compiler=run.compiler)
+        extra = {"nonfinite": nonfinite} if method.startswith("sonar") else {}
+        m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
             m.optimizer.clipper.track_norms = norms
         return model, m
 
-    return Arm(label, build)
+    return Arm(label=label, build=build)
 
 
 def _batches(n: int, run: Config, vocab: int = 259) -> list[dict[str, torch.Tensor]]:
@@ -117,28 +125,29 @@ def _expert_state_bytes(method: TrainingMethod) -> int:
 
 
 def run_arms(arms: Sequence[Arm], run: Config) -> None:
-    """Warm each arm up, measure its peak once, then time one step per arm per round."""
+    """Build and warm each arm up, measure its step memory once, then time the arms in interleaved
+    rounds (`sonar_fx.measure`); every arm stays alive throughout."""
     data = _batches(run.warmup + 1 + run.rounds, run)
-    for arm in arms:
-        torch._dynamo.reset()  # each arm compiles its own graphs (no reuse across arms' settings)
-        arm.model, arm.method = arm.build()
-        for b in data[: run.warmup]:
-            arm.method.train_step(b)
-        _, peak = measure_peak(partial(arm.method.train_step, data[run.warmup]))
-        arm.peak_bytes = peak.peak_bytes
-        arm.expert_state_bytes = _expert_state_bytes(arm.method)
-        print(f"  {arm.label}: ready", flush=True)
-    for b in data[run.warmup + 1 :]:
+    steps = []
+    torch._dynamo.reset()
+    with side_by_side():
         for arm in arms:
-            assert arm.method is not None
-            t0 = time.perf_counter()
-            float(arm.method.train_step(b))
-            arm.times.append(time.perf_counter() - t0)
+            arm.model, arm.method = arm.build()
+            step = partial(_synced_step, arm.method)
+            measure_arm(arm, step, data[: run.warmup], data[run.warmup])
+            arm.expert_state_bytes = _expert_state_bytes(arm.method)
+            print(f"  {arm.label}: {arm.error or 'ready'}", flush=True)
+            steps.append((arm, step))
+        run_rounds(steps, data[run.warmup + 1 :])
+
+
+def _synced_step(method: TrainingMethod, batch: dict[str, torch.Tensor]) -> float:
+    return float(method.train_step(batch))  # reading the loss waits for the step
 
 
 def _row(arm: Arm, base: Arm) -> list[str]:
-    ms = Spread.of([t * 1e3 for t in arm.times]).fmt(1)
-    return [arm.label, ms, fmt_ratio(paired_ratio(arm.times, base.times)), f"{mib(arm.peak_bytes):.1f}",
+    ms = arm.step_ms.fmt(1) if arm.ok else f"failed: {arm.error}"
+    return [arm.label, ms, fmt_ratio(ratio(arm, base)), f"{mib(arm.peak_bytes):.1f}",
             f"{arm.peak_bytes / max(base.peak_bytes, 1):.2f}x"]  # fmt: skip
 
 
@@ -164,12 +173,13 @@ def clipping_table(run: Config) -> tuple[Table, list[Arm]]:
         _arm("sonar expert_clip=per_tensor", "sonar", replace(plain, expert_clip="per_tensor"), run),
         _arm("sonar expert_clip=global", "sonar", replace(plain, expert_clip="global"), run),
         _arm("sonar expert_clip=None, norms off", "sonar", plain, run, norms=False),
+        _arm("sonar expert_clip=None, nonfinite=ignore", "sonar", plain, run, nonfinite="ignore"),
     ]
     run_arms(arms, run)
     rows = [_row(arm, arms[0]) for arm in arms]
     note = ("base: standard training clipping all gradients by one global norm (the exact twin of "
-            "expert_clip='global'). 'norms off': no per-expert norm "
-            "(nonfinite check: own pass).")  # fmt: skip
+            "expert_clip='global'). 'norms off': no per-expert norm (nonfinite check: own pass); "
+            "'nonfinite=ignore': no non-finite check.")  # fmt: skip
     return Table(title=f"Expert clipping, logged norms, AdamW ({run.compiler})", headers=HEADERS, rows=rows,
                  note=note), arms  # fmt: skip
 
@@ -198,36 +208,42 @@ def per_step_seconds(arm: Arm, fn: Callable[[torch.Tensor], torch.Tensor], repea
     grads = [torch.randn_like(p) for p in arm.method.optimizer.expert_group["params"]]
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        started = timer()
         for g in grads:
             float(fn(g))
-        times.append(time.perf_counter() - t0)
+        times.append(timer() - started)
     return Spread.of(times).median
 
 
 def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     by = {a.label: a for a in clip_arms}
     on, off = by["sonar expert_clip=None"], by["sonar expert_clip=None, norms off"]
+    unchecked = by["sonar expert_clip=None, nonfinite=ignore"]
     # The end-to-end ratio is within the noise of a shared CPU: the norms' own time is the measure.
     # With nonfinite="raise"/"skip" the norm also makes the non-finite check, replacing its own pass
     # (`nonfinite_flag`), so the net cost is the difference.
-    step = Spread.of(on.times).median
+    step = Spread.of(on.step_s).median
     gross = per_step_seconds(on, tensor_norm) / step
-    net = gross - per_step_seconds(on, nonfinite_flag) / step
-    end_to_end = paired_ratio(on.times, off.times)
+    own_check = per_step_seconds(on, nonfinite_flag) / step
+    net = gross - own_check
+    end_to_end = ratio(on, off)
     glob, std = by["sonar expert_clip=global"], by["standard (global clip)"]
     out = [
         Goal(name="logged norms cost", target="< 2% of step time",
              measured=f"net {net * 100:.2f}% (norm calls {gross * 100:.2f}% minus the non-finite pass they "
              f"replace; on/off step ratio {fmt_ratio(end_to_end)})",
              met=net < 0.02),
+        Goal(name="non-finite check cost", target="< 2% of step time",
+             measured=f"{own_check * 100:.2f}% as its own pass over each expert gradient (norms off); with "
+             f"the logged norms it reads the norm; raise/ignore step ratio {fmt_ratio(ratio(on, unchecked))}",
+             met=own_check < 0.02),
         Goal(name="global clip memory", target="below standard (global clip)",
              measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),
     ]  # fmt: skip
     if lowbit_arms:
-        ratio = lowbit_arms[1].expert_state_bytes / lowbit_arms[0].expert_state_bytes
-        out.append(Goal(name="8-bit expert states", target="~1/4 of fp32 states", measured=f"{ratio:.3f}x",
-                        met=ratio < 0.3))  # fmt: skip
+        shrink = lowbit_arms[1].expert_state_bytes / lowbit_arms[0].expert_state_bytes
+        out.append(Goal(name="8-bit expert states", target="~1/4 of fp32 states", measured=f"{shrink:.3f}x",
+                        met=shrink < 0.3))  # fmt: skip
     return out
 
 
@@ -245,8 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if low is not None:
         tables.append(low[0])
     for arm in [*opt_arms, *clip_arms, *(low[1] if low else [])]:
-        records.append({"arm": arm.label, "step_s": arm.times, "peak_bytes": arm.peak_bytes,
-                        "expert_state_bytes": arm.expert_state_bytes})  # fmt: skip
+        records.append({"arm": arm.label, "step_s": arm.step_s, "peak_bytes": arm.peak_bytes,
+                        "expert_state_bytes": arm.expert_state_bytes, "error": arm.error})  # fmt: skip
     inv.finish(tables, goals=goals(clip_arms, low[1] if low else None), records=records)
 
 

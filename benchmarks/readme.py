@@ -28,6 +28,7 @@ ORDER = (
     "accumulation",
     "memory_timeline",
     "compile_overhead",
+    "endurance",
     "gpu",
     "gpu_kernels",
 )

@@ -1,13 +1,12 @@
-"""What the benchmarks train: CPU-sized models shaped like OLMoE and Granite, and their data.
+"""What the benchmarks train: CPU-sized models shaped like OLMoE and Granite, and how big a batch.
 
 The shapes keep each architecture's real transformers classes and its expert count and top-k (OLMoE
 E=64, Granite E=40, both top-8) at widths two CPU cores can step through in well under a second.
 Batch 2 with 64-token sequences keeps expert gradients far above activations, the regime of the paper
 (OLMoE-1B-7B at batch 2, seq <= 256: 805 MB of bf16 expert gradients per layer, many times what a
-layer's activations take). Data is the built-in synthetic instruction set, byte-tokenised and packed
-into fixed (batch, seq) windows, so every arm sees the same tokens and no compiled graph ever sees a
-new shape.
-This module never measures anything.
+layer's activations take). The data is `sonar_fx.workload`'s: the built-in synthetic instruction set
+packed into fixed (batch, seq) windows, so every arm sees the same tokens and no compiled graph ever
+sees a new shape. This module never measures anything.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from sonar_fx.data import ByteTokenizer, format_example, synthetic_records
-from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.models import build_model
-
-Batch = dict[str, Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,40 +100,3 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
-
-
-def make_batches(n: int, batch: int, seq: int, *, seed: int = 0, held_out: bool = False) -> list[Batch]:
-    """`n` packed (batch, seq) windows of the synthetic instruction set; held-out uses other records."""
-    ids = _token_stream(n * batch * seq, seed=seed + (10_000 if held_out else 0))
-    out = []
-    for i in range(n):
-        window = ids[i * batch * seq : (i + 1) * batch * seq].view(batch, seq)
-        out.append({"input_ids": window, "labels": window.clone()})
-    return out
-
-
-def _token_stream(n_tokens: int, *, seed: int) -> Tensor:
-    tok = ByteTokenizer()
-    ids: list[int] = []
-    n_records = 64
-    while len(ids) < n_tokens:
-        ids = []
-        # synthetic_records(m, s) is a prefix of synthetic_records(n, s): growing n keeps the stream stable.
-        for record in synthetic_records(n_records, seed=seed):
-            prompt, response = format_example(record)
-            ids += [tok.bos_id, *tok.encode(prompt + response), tok.eos_id]
-        n_records *= 2
-    return torch.tensor(ids[:n_tokens], dtype=torch.int64)
-
-
-@torch.no_grad()
-def held_out_loss(model: nn.Module, batches: list[Batch]) -> float:
-    """Mean loss of the (eager) model on held-out batches: compares what each arm learned."""
-    losses = [float(model(**b).loss.float()) for b in batches]
-    return sum(losses) / len(losses)
-
-
-def predicted_saving(layers: list[ExpertLayer]) -> int:
-    """Bytes Sonar should save: every layer's expert gradients except the one alive at a time."""
-    grads = [layer.grad_bytes() for layer in layers]
-    return sum(grads) - max(grads)

@@ -1,33 +1,48 @@
 """`sonar-fx demo` (`make demo`): Sonar-MoE against its baselines on one tiny model, on this machine.
 
-For: fine-tuning `tiny-olmoe` (resized, see `DEMO_SHAPE`) on the built-in instruction set under
-standard training (global clip), standard_no_expert_clip (Sonar's exact twin), Sonar with eager
-hooks, Sonar's hooks on a compiled model, the compiled pass, and the compiled twin; then printing
-the paper-style table, checking that Sonar's expert weights are bitwise equal to its twin's, and
-writing demo.json and demo.png. Never: claim a GPU number; CPU timings are ratios within one run.
+For: training `tiny-olmoe` (resized, see `DEMO_SHAPE`) on the built-in instruction set under standard
+training (global clip), standard_no_expert_clip (Sonar's exact twin), Sonar with eager hooks, Sonar's
+hooks on a compiled model, the compiled pass and the compiled twin; then printing the paper-style
+table, checking that Sonar's expert weights are bitwise equal to its twin's, and writing demo.json and
+demo.png. The arms are measured by `sonar_fx.measure`, all alive at once: warm-up and one profiled
+memory step each, then timed rounds in which every arm takes one step, in rotating order, so a burst
+of load on a shared machine lands on every arm alike and step-time ratios are paired per round.
+Never: claim a GPU number (CPU timings are ratios within one run), or drive training through anything
+but `sonar_fx.methods.build_method` and an LR schedule.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from tabulate import tabulate
+from torch import nn
 from tqdm import tqdm
 
+from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import discover_experts
-from sonar_fx.methods import Execution
-from sonar_fx.trainer import RunResult, TrainConfig, train
+from sonar_fx.measure import ArmResult, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
+from sonar_fx.memory import process_peak_rss_bytes, state_bytes
+from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.models import build_model
+from sonar_fx.trainer.config import ConfigError
+from sonar_fx.trainer.environment import environment
+from sonar_fx.trainer.schedule import WarmupCosine
+from sonar_fx.workload import Batch, held_out_loss, make_batches
 
 DEMO_SHAPE = dict(hidden_size=128, intermediate_size=256, num_experts=64, num_hidden_layers=4)
 """tiny-olmoe with 64 experts of width 256 in 4 layers: 96 MiB of fp32 expert gradients against a few
 MiB of batch-2 activations, so (as for OLMoE-1B-7B, whose expert gradients are 12.9 GB in bf16) expert
 gradients dominate a step's transient memory and Sonar's saving is visible."""
+WARMUP_STEPS = 2
+"""Untimed steps per arm before its memory step (the first one compiles)."""
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,18 @@ TWINS = (
     ("sonar_hooks_compiled", "no_expert_clip_compiled"),
     ("sonar_compiled", "no_expert_clip_compiled"),
 )
+MEMORY_LEGEND = {
+    "state_mib": "weights + gradients still alive + optimizer states at the start of the measured step",
+    "step_transient_mib": "peak tensor bytes one step allocates above its start (profiler allocator events)",
+    "peak_mib": "step peak = state_mib + step_transient_mib (the paper's absolute peaks include the state)",
+    "process_rss_high_water_mib": "the whole process's resident-memory high-water mark (ru_maxrss): Python, "
+    "torch, compiled code and every arm alive at once; shown on the progress bar, not an arm's figure",
+}
+
+
+class DemoConfigError(ConfigError):
+    """A demo setting is out of range; the message names the flag and its minimum (the command line
+    exits 2 with it, as for any `ConfigError`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,18 +88,22 @@ class DemoConfig:
     """The demo's settings; every arm shares them."""
 
     out: str = "runs/demo"
-    """Folder for demo.json, demo.png and one run folder per arm."""
+    """Folder for demo.json and demo.png."""
     compiler: Literal["inductor", "aot_eager"] = "inductor"
     """Compiler of the compiled arms (aot_eager: the same graphs and pass, no codegen, faster start)."""
     steps: int = 100
+    """Steps per arm: warm-up, one memory step, then timed rounds."""
     batch_size: int = 2
     """The paper's batch size."""
+    seq: int = 256
+    """Tokens per sequence (packed windows of the instruction set: every token is supervised)."""
     lr: float = 3e-3
     """High for fine-tuning, right for a model trained from scratch in a few minutes."""
     warmup: int = 10
+    """LR warm-up steps (then cosine down to `min_lr`)."""
     min_lr: float = 3e-4
-    held_out: int = 64
-    """Enough supervised tokens (~1,000) to show the fall; evaluated before, halfway and after."""
+    held_out: int = 4
+    """Held-out windows of batch_size x seq tokens, evaluated before, halfway and after."""
     seed: int = 42
     progress: bool = True
     min_loss_drop: float = 0.25
@@ -82,100 +113,155 @@ class DemoConfig:
     arms: tuple[str, ...] = tuple(arm.key for arm in ARMS)
     """Which arms to run (tests run the eager ones)."""
 
+    def __post_init__(self) -> None:
+        least = WARMUP_STEPS + 2  # warm-up, the memory step and at least one timed round
+        if self.steps < least:
+            raise DemoConfigError(
+                f"--steps {self.steps}: the demo needs at least {least} steps per arm ({WARMUP_STEPS} "
+                "warm-up, 1 memory step, 1 timed)",
+                flag="--steps",
+            )
+        if self.held_out < 1:
+            raise DemoConfigError(f"held_out={self.held_out}: evaluate on at least 1 held-out window")
+        unknown = set(self.arms) - {arm.key for arm in ARMS}
+        if unknown:
+            raise DemoConfigError(f"unknown arms {sorted(unknown)}: pick from {[a.key for a in ARMS]}")
+
+
+@dataclass
+class _Run:
+    """One arm while the demo runs it."""
+
+    arm: Arm
+    model: nn.Module
+    method: TrainingMethod
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR]
+    result: ArmResult
+    losses: list[float] = field(default_factory=list)
+    evals: dict[int, float] = field(default_factory=dict)
+    state_bytes: int = 0
+
+    def step(self, batch: Batch) -> None:
+        loss = float(self.method.train_step(batch))  # float() synchronises: the time is the whole step
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {len(self.losses) + 1}")
+        for sched in self.schedulers:
+            sched.step()
+        self.losses.append(loss)
+
 
 def run_demo(cfg: DemoConfig) -> int:
     """Run every arm, print the table and verdicts, write demo.json and demo.png; 0 when all is well."""
     out = Path(cfg.out)
     started = time.perf_counter()
-    summaries, weights, errors = _run_arms(cfg, out, started)
-    verdicts = [_twin_verdict(a, b, weights, errors) for a, b in TWINS if {a, b} <= set(cfg.arms)]
-    report = _report(cfg, summaries, errors, verdicts, time.perf_counter() - started)
+    runs = _train(cfg, started)
+    verdicts = [_twin_verdict(runs[a], runs[b]) for a, b in TWINS if {a, b} <= set(runs)]
+    report = _report(cfg, runs, verdicts, time.perf_counter() - started)
     print("\n" + report["table"])
     for line in [*report["notes"], *(v["text"] for v in verdicts)]:
         print(line)
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo.json").write_text(json.dumps(report, indent=2) + "\n")
-    if summaries:
-        _chart(summaries, out / "demo.png", cfg)
+    _chart(runs, out / "demo.png", cfg)
     print(f"wrote {out / 'demo.json'} and {out / 'demo.png'} ({report['wall_s']:.0f}s)")
-    problems = [f"{_label(k)} failed" for k in errors]
+    problems = [f"{r.arm.label} failed: {r.result.error}" for r in runs.values() if r.result.error]
     problems += [v["text"] for v in verdicts if v["equal"] is False]
     problems += [
-        f"{_label(k)}: held-out loss fell by less than {cfg.min_loss_drop:.0%}"
-        for k in _unlearned(summaries, cfg)
+        f"{r.arm.label}: held-out loss fell by less than {cfg.min_loss_drop:.0%}"
+        for r in runs.values()
+        if r.result.error is None and not _learned(r, cfg)
     ]
     for problem in problems:
         print(f"DEMO FAILED: {problem}")
     return 1 if problems else 0
 
 
-def _run_arms(
-    cfg: DemoConfig, out: Path, started: float
-) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, torch.Tensor]], dict[str, str]]:
-    """Train every selected arm in turn: summaries, expert weights of the twins, and errors by arm."""
-    summaries: dict[str, dict[str, Any]] = {}
-    weights: dict[str, dict[str, torch.Tensor]] = {}
-    errors: dict[str, str] = {}
-    twin_keys = {k for pair in TWINS for k in pair}
-    arms = [arm for arm in ARMS if arm.key in cfg.arms]
-    for i, arm in enumerate(arms, start=1):
-        compiler = cfg.compiler if arm.compiled else "eager"
-        elapsed = time.perf_counter() - started
-        tqdm.write(f"\n[{i}/{len(arms)}] {arm.label} (compiler {compiler}), {elapsed:.0f}s in")
-        torch._dynamo.reset()  # each arm compiles its own model; no graph or guard carries over
-        try:
-            result = train(_arm_config(cfg, arm, out))
-        except Exception as exc:  # an arm that cannot run is reported in the table, not hidden
-            errors[arm.key] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            tqdm.write(f"[{i}/{len(arms)}] {arm.label} FAILED: {errors[arm.key]}")
-            continue
-        summaries[arm.key] = result.summary
-        if arm.key in twin_keys:
-            weights[arm.key] = _expert_weights(result)
-        del result  # frees the model and optimizer states before the next arm
-    return summaries, weights, errors
+def _train(cfg: DemoConfig, started: float) -> dict[str, _Run]:
+    """Build every arm, warm it up and measure its memory, then time all of them in rounds."""
+    batches = make_batches(cfg.steps, cfg.batch_size, cfg.seq, seed=cfg.seed)
+    held_out = make_batches(cfg.held_out, cfg.batch_size, cfg.seq, seed=cfg.seed, held_out=True)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch._dynamo.reset()
+    runs: dict[str, _Run] = {}
+    try:
+        # Inductor's parallel CPU reductions would otherwise blur the bitwise comparison of the twins.
+        torch.use_deterministic_algorithms(True)
+        with side_by_side():
+            for i, arm in enumerate(a for a in ARMS if a.key in cfg.arms):
+                elapsed = time.perf_counter() - started
+                tqdm.write(
+                    f"[{i + 1}/{len(cfg.arms)}] {arm.label}: build, warm up, memory step ({elapsed:.0f}s in)"
+                )
+                runs[arm.key] = _build(cfg, arm)
+                _warm_up(runs[arm.key], batches, held_out)
+            _timed_rounds(cfg, list(runs.values()), batches[WARMUP_STEPS + 1 :], held_out)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch._dynamo.reset()  # the compiled graphs hold these models
+    return runs
 
 
-def _arm_config(cfg: DemoConfig, arm: Arm, out: Path) -> TrainConfig:
-    return TrainConfig(
-        model="tiny-olmoe",
-        model_overrides=cfg.model_overrides,
-        method=arm.method,
-        execution=Execution(compiler=cfg.compiler if arm.compiled else "eager", sonar_pass=arm.sonar_pass),
-        steps=cfg.steps,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        warmup=cfg.warmup,
-        min_lr=cfg.min_lr,
-        seed=cfg.seed,
-        held_out=cfg.held_out,
-        eval_every=max(1, cfg.steps // 2),
-        dtype="fp32",  # CPU bf16 grouped GEMMs are 10-70x slower; the bitwise claim holds in both
-        device="cpu",
-        out=str(out / arm.key),
-        overwrite=True,  # each demo run replaces the arm's previous run
-        checkpoint=False,
-        pad_to_max_len=True,  # every arm runs the same shapes, so the timings compare like with like
-        deterministic=True,  # inductor's parallel CPU reductions would blur the bitwise comparison
-        progress=cfg.progress,
-    )
+def _build(cfg: DemoConfig, arm: Arm) -> _Run:
+    model = build_model("tiny-olmoe", dtype=torch.float32, seed=cfg.seed, **cfg.model_overrides)
+    opt = AdamWConfig(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=1.0)
+    compiler = cfg.compiler if arm.compiled else "eager"
+    method = build_method(arm.method, model, opt, compiler=compiler, sonar_pass=arm.sonar_pass)
+    shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in method.optimizers]
+    return _Run(arm, model, method, schedulers, ArmResult(label=arm.label))
 
 
-def _expert_weights(result: RunResult) -> dict[str, torch.Tensor]:
-    return {
-        t.name: t.param.detach().clone() for layer in discover_experts(result.model) for t in layer.tensors
-    }
+def _warm_up(run: _Run, batches: list[Batch], held_out: list[Batch]) -> None:
+    """Held-out loss before training, the warm-up steps, then one profiled step for memory."""
+    run.evals[0] = held_out_loss(run.model, held_out)
+    measure_arm(run.result, run.step, batches[:WARMUP_STEPS], batches[WARMUP_STEPS])
+    # Between steps no gradient is held: what the measured step started with.
+    run.state_bytes = state_bytes(run.model, run.method.optimizers)
+    failed = f"; FAILED: {run.result.error}" if run.result.error else ""
+    compiles = " (compilation included)" if run.arm.compiled else ""
+    tqdm.write(f"    first step {run.result.first_step_s:.1f}s{compiles}{failed}")
 
 
-def _twin_verdict(
-    a: str, b: str, weights: dict[str, dict[str, torch.Tensor]], errors: dict[str, str]
-) -> dict[str, Any]:
-    la, lb = _label(a), _label(b)
-    if a not in weights or b not in weights:
-        missing = ", ".join(_label(k) for k in (a, b) if k in errors)
-        return {"arms": [a, b], "equal": None, "text": f"{la} vs {lb}: not compared ({missing} failed)"}
-    wa, wb = weights[a], weights[b]
+def _timed_rounds(cfg: DemoConfig, runs: list[_Run], batches: list[Batch], held_out: list[Batch]) -> None:
+    """Interleaved rounds over the remaining steps; held-out loss halfway (untimed) and at the end."""
+    done_before = WARMUP_STEPS + 1
+    halfway = max(cfg.steps // 2, done_before + 1)
+    tqdm.write(f"timing {len(batches)} rounds: every arm takes one step per round, in rotating order")
+    bar = tqdm(total=len(batches), desc="timed rounds (every arm one step each)", disable=not cfg.progress,
+               dynamic_ncols=True, mininterval=0.5)  # fmt: skip
+
+    def after_round(r: int) -> None:
+        done = done_before + r + 1
+        if done in (halfway, cfg.steps):
+            for run in runs:
+                if run.result.error is None:
+                    run.evals[done] = held_out_loss(run.model, held_out)
+        base = next((run for run in runs if run.arm.key == BASELINE and run.losses), None)
+        postfix = {"loss (standard)": f"{base.losses[-1]:.3f}"} if base else {}
+        # The process's high-water mark, every arm included: not a per-arm step peak (see the table).
+        postfix["process RSS high-water"] = f"{process_peak_rss_bytes() / MiB:.0f}MiB"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+
+    with bar:
+        run_rounds([(run.result, run.step) for run in runs], batches, after_round=after_round)
+
+
+def _learned(run: _Run, cfg: DemoConfig) -> bool:
+    final = run.evals.get(cfg.steps)
+    return final is not None and final < (1 - cfg.min_loss_drop) * run.evals[0]
+
+
+def _expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {t.name: t.param.detach() for layer in discover_experts(model) for t in layer.tensors}
+
+
+def _twin_verdict(a: _Run, b: _Run) -> dict[str, Any]:
+    keys, la, lb = [a.arm.key, b.arm.key], a.arm.label, b.arm.label
+    if a.result.error or b.result.error:
+        missing = ", ".join(r.arm.label for r in (a, b) if r.result.error)
+        return {"arms": keys, "equal": None, "text": f"{la} vs {lb}: not compared ({missing} failed)"}
+    wa, wb = _expert_weights(a.model), _expert_weights(b.model)
     same = [n for n in wa if torch.equal(wa[n], wb[n])]
     equal = len(same) == len(wa)
     if equal:
@@ -184,72 +270,68 @@ def _twin_verdict(
         worst = max(float((wa[n] - wb[n]).abs().max()) for n in wa)
         differ = len(wa) - len(same)
         verdict = f"NOT bitwise equal ({differ} of {len(wa)} expert tensors differ, max |diff| {worst:.3g})"
-    return {"arms": [a, b], "equal": equal, "text": f"{la} vs {lb}: expert weights {verdict}"}
+    return {"arms": keys, "equal": equal, "text": f"{la} vs {lb}: expert weights {verdict}"}
 
 
-def _label(key: str) -> str:
-    return next(arm.label for arm in ARMS if arm.key == key)
-
-
-def _report(
-    cfg: DemoConfig,
-    summaries: dict[str, dict[str, Any]],
-    errors: dict[str, str],
-    verdicts: list,
-    wall_s: float,
-) -> dict[str, Any]:
-    rows = [_row(cfg, arm, summaries, errors) for arm in ARMS if arm.key in cfg.arms]
-    headers = ["arm", "compiler", "peak MiB", "vs standard", "step transient MiB", "step ms", "vs standard",
-               "tokens/s", "held-out loss"]  # fmt: skip
+def _report(cfg: DemoConfig, runs: dict[str, _Run], verdicts: list, wall_s: float) -> dict[str, Any]:
+    base = runs.get(BASELINE)
+    rows = [_row(cfg, run, base) for run in runs.values()]
+    headers = ["arm", "compiler", "state MiB", "step transient MiB", "step peak MiB", "vs standard",
+               "step ms", "× standard", "tokens/s", "held-out loss"]  # fmt: skip
     table = tabulate([r["cells"] for r in rows], headers=headers, disable_numparse=True)
-    first = next(iter(summaries.values()), None)
+    rss = process_peak_rss_bytes() / MiB
     notes = [
-        "peak MiB = weights + optimizer states + the step's transient peak (profiler allocator events, one "
-        "step after warm-up); step ms = median after warm-up; tokens/s = median of supervised tokens/s.",
-        "CPU timings are ratios within one run on a shared machine, not GPU claims (under torch.compile, "
-        "fp32 expert layers run transformers' per-expert fallback loop instead of a grouped GEMM).",
+        "state = weights + optimizer states between steps; step transient = the most tensor bytes one step "
+        "allocates above that (profiler allocator events, one step after warm-up); step peak = state + "
+        "step transient.",
+        f"Not the same figure: the progress bar's process RSS high-water ({rss:.0f} MiB at the end) is the "
+        "whole process with every arm alive at once.",
+        "step ms: median [IQR] of the timed rounds; × standard: median [IQR] of per-round paired ratios "
+        "(every arm steps once per round, in rotating order). CPU timings are ratios within one run on a "
+        "shared machine, not GPU claims (under torch.compile, fp32 expert layers run transformers' "
+        "per-expert fallback loop instead of a grouped GEMM).",
     ]
-    if first is not None:
-        notes.append(f"data hash {first['data']['hash'][:16]} (every arm: {_same_hash(summaries)}).")
     return {
         "config": asdict(cfg),
         "model": {"name": "tiny-olmoe", "overrides": cfg.model_overrides},
         "table": table,
         "rows": [r["data"] for r in rows],
+        "memory_legend": MEMORY_LEGEND,
+        "process_rss_high_water_mib": rss,
         "bitwise": verdicts,
-        "errors": errors,
+        "errors": {k: r.result.error for k, r in runs.items() if r.result.error},
         "notes": notes,
         "wall_s": wall_s,
-        "versions": first["versions"] if first else None,
-        "hardware": first["hardware"] if first else None,
+        **environment("cpu"),
     }
 
 
-def _row(
-    cfg: DemoConfig, arm: Arm, summaries: dict[str, dict[str, Any]], errors: dict[str, str]
-) -> dict[str, Any]:
+def _row(cfg: DemoConfig, run: _Run, base: _Run | None) -> dict[str, Any]:
+    arm, r = run.arm, run.result
     compiler = cfg.compiler if arm.compiled else "eager"
-    if arm.key not in summaries:
-        reason = errors.get(arm.key, "not run")
-        return {"cells": [arm.label, compiler, f"failed: {reason[:60]}", *[""] * 6], "data": {"arm": arm.key}}
-    s, base = summaries[arm.key], summaries.get(BASELINE)
-    peak_mib = s["memory"]["peak_bytes"] / 2**20
-    data = {
-        "arm": arm.key, "label": arm.label, "method": arm.method, "compiler": s["config"]["compiler"],
-        "sonar_pass": arm.sonar_pass, "peak_mib": peak_mib,
-        "step_transient_mib": s["memory"]["step_transient_bytes"] / 2**20,
-        "state_mib": s["memory"]["state_bytes"] / 2**20, "median_step_ms": s["median_step_ms"],
-        "tokens_per_s": s["supervised_tokens_per_s"], "held_out_loss": s["held_out_loss"],
-        "held_out_loss_initial": s["held_out_loss_initial"], "held_out_curve": s["held_out_curve"],
+    if not r.ok:
+        return {"cells": [arm.label, compiler, f"failed: {(r.error or 'no step')[:60]}", *[""] * 7],
+                "data": {"arm": arm.key, "error": r.error}}  # fmt: skip
+    peak = run.state_bytes + r.peak_bytes
+    data: dict[str, Any] = {
+        "arm": arm.key, "label": arm.label, "method": arm.method, "compiler": compiler,
+        "sonar_pass": arm.sonar_pass, "peak_mib": peak / MiB, "step_transient_mib": r.peak_bytes / MiB,
+        "state_mib": run.state_bytes / MiB, "first_step_s": r.first_step_s,
+        "step_ms": asdict(r.step_ms), "median_step_ms": r.step_ms.median,
+        "tokens_per_s": cfg.batch_size * cfg.seq / (r.step_ms.median / 1e3),
+        "held_out_loss": run.evals.get(cfg.steps), "held_out_loss_initial": run.evals[0],
+        "held_out_curve": {str(k): v for k, v in sorted(run.evals.items())},
     }  # fmt: skip
-    if base is not None:
-        data["peak_change"] = peak_mib / (base["memory"]["peak_bytes"] / 2**20) - 1
-        data["step_ms_change"] = s["median_step_ms"] / base["median_step_ms"] - 1
+    vs_time = ratio(r, base.result) if base is not None else None
+    if base is not None and base.result.ok:
+        data["peak_change"] = peak / (base.state_bytes + base.result.peak_bytes) - 1
+        data["step_time_ratio"] = asdict(vs_time) if vs_time else None
+    final = data["held_out_loss"]
     cells = [
-        arm.label, data["compiler"], f"{peak_mib:.1f}", _pct(data.get("peak_change")),
-        f"{data['step_transient_mib']:.1f}", f"{s['median_step_ms']:.1f}", _pct(data.get("step_ms_change")),
-        f"{s['supervised_tokens_per_s'] or 0:.0f}",
-        f"{s['held_out_loss_initial']:.3f} -> {s['held_out_loss']:.4f}",
+        arm.label, compiler, f"{data['state_mib']:.1f}", f"{data['step_transient_mib']:.1f}",
+        f"{data['peak_mib']:.1f}", _pct(data.get("peak_change")), r.step_ms.fmt(1), fmt_ratio(vs_time),
+        f"{data['tokens_per_s']:.0f}",
+        f"{run.evals[0]:.3f} -> " + ("-" if final is None else f"{final:.4f}"),
     ]  # fmt: skip
     return {"cells": cells, "data": data}
 
@@ -258,48 +340,43 @@ def _pct(change: float | None) -> str:
     return "" if change is None else f"{change * 100:+.1f}%"
 
 
-def _same_hash(summaries: dict[str, dict[str, Any]]) -> str:
-    hashes = {s["data"]["hash"] for s in summaries.values()}
-    return "same data" if len(hashes) == 1 else f"{len(hashes)} DIFFERENT hashes"
-
-
-def _unlearned(summaries: dict[str, dict[str, Any]], cfg: DemoConfig) -> list[str]:
-    """Arms whose held-out loss did not fall clearly."""
-    keep = 1 - cfg.min_loss_drop
-    return [k for k, s in summaries.items() if not s["held_out_loss"] < keep * s["held_out_loss_initial"]]
-
-
-def _chart(summaries: dict[str, dict[str, Any]], path: Path, cfg: DemoConfig) -> None:
+def _chart(runs: dict[str, _Run], path: Path, cfg: DemoConfig) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display: render straight to the PNG file
     import matplotlib.pyplot as plt
 
-    arms = [arm for arm in ARMS if arm.key in summaries]
-    labels = [arm.label.replace(", ", "\n") for arm in arms]
-    state = [summaries[a.key]["memory"]["state_bytes"] / 2**20 for a in arms]
-    transient = [summaries[a.key]["memory"]["step_transient_bytes"] / 2**20 for a in arms]
+    ok = [run for run in runs.values() if run.result.ok]
+    labels = [run.arm.label.replace(", ", "\n") for run in ok]
+    state = [run.state_bytes / MiB for run in ok]
+    transient = [run.result.peak_bytes / MiB for run in ok]
     fig, (ax_mem, ax_ms, ax_loss) = plt.subplots(1, 3, figsize=(18, 5.5))
-    ax_mem.barh(labels, state, label="weights + optimizer states")
+    ax_mem.barh(labels, state, label="state: weights + optimizer states")
     ax_mem.barh(labels, transient, left=state, label="step transient peak")
-    ax_mem.set_xlabel("MiB")
-    ax_mem.set_title("Peak memory of a training step")
-    ax_mem.legend(loc="lower right", fontsize=8)
+    ax_mem.set_xlabel("MiB (step peak = state + step transient)")
+    ax_mem.set_title("Step peak memory (tensor bytes, not process RSS)")
+    ax_mem.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     ax_mem.invert_yaxis()
-    ax_ms.barh(labels, [summaries[a.key]["median_step_ms"] for a in arms], color="tab:gray")
-    ax_ms.set_xlabel("median step ms (CPU)")
+    spreads = [run.result.step_ms for run in ok]
+    medians = [s.median for s in spreads]
+    errors = [[m - s.q25 for m, s in zip(medians, spreads, strict=True)],
+              [s.q75 - m for m, s in zip(medians, spreads, strict=True)]]  # fmt: skip
+    ax_ms.barh(labels, medians, xerr=errors, color="tab:gray", capsize=3)
+    ax_ms.set_xlabel("step ms (CPU): median, IQR bars; arms interleaved")
     ax_ms.set_title(f"Step time ({cfg.compiler} for compiled arms)")
     ax_ms.set_yticklabels([])
     ax_ms.invert_yaxis()
-    for a in arms:
-        curve = summaries[a.key]["held_out_curve"]
-        ax_loss.plot([int(k) for k in curve], list(curve.values()), marker="o", label=a.label)
+    for run in ok:
+        steps = sorted(run.evals)
+        ax_loss.plot(steps, [run.evals[k] for k in steps], marker="o", label=run.arm.label)
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("held-out loss")
     ax_loss.set_title("Held-out loss")
     ax_loss.legend(fontsize=8)
     shape = ", ".join(f"{k}={v}" for k, v in cfg.model_overrides.items())
-    fig.suptitle(f"Sonar-MoE demo: tiny-olmoe ({shape}), fp32, batch {cfg.batch_size}, {cfg.steps} steps")
+    fig.suptitle(f"Sonar-MoE demo: tiny-olmoe ({shape}), fp32, batch {cfg.batch_size} x {cfg.seq}, "
+                 f"{cfg.steps} steps")  # fmt: skip
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

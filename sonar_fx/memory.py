@@ -3,7 +3,9 @@
 CPU: the profiler's allocator events (every allocation and free with its byte count) are summed in
 time order; the peak of that running sum is the most tensor bytes allocated ABOVE the start of the
 measured region, i.e. transient step memory. CUDA: `max_memory_allocated` / `max_memory_reserved`
-after `reset_peak_memory_stats`. This module measures; it never changes what it measures.
+after `reset_peak_memory_stats`. Also: what Sonar should save (`ExpertGradBytes`, the one place the
+prediction is written) and the process's resident memory (for endurance runs). This module measures;
+it never changes what it measures.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import contextlib
 import os
 import resource
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+if TYPE_CHECKING:
+    from sonar_fx.experts.discovery import ExpertLayer
 
 
 @dataclass(frozen=True)
@@ -89,3 +94,44 @@ def process_peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def state_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes alive between steps: parameters, gradients still held, optimizer state tensors (each storage
+    counted once). Added to a step's transient peak it compares with absolute peaks (the paper's)."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (Linux: /proc/self/statm; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except OSError:
+        return process_peak_rss_bytes()
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertGradBytes:
+    """Bytes of a model's expert gradients: what standard training holds at once, and what Sonar saves."""
+
+    total: int
+    """Every layer's expert gradients: all alive at once at standard training's optimizer step."""
+    one_layer: int
+    """The largest layer's: the most Sonar keeps alive at a time (a layer's are freed after its update)."""
+
+    @classmethod
+    def of(cls, layers: Sequence[ExpertLayer]) -> ExpertGradBytes:
+        if not layers:
+            raise ValueError("ExpertGradBytes.of needs the model's expert layers (discover_experts)")
+        grads = [layer.grad_bytes() for layer in layers]
+        return cls(total=sum(grads), one_layer=max(grads))
+
+    @property
+    def predicted_saving(self) -> int:
+        """Bytes Sonar should take off a step's peak: all expert gradients but the one layer alive."""
+        return self.total - self.one_layer

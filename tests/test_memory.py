@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from sonar_fx.experts.discovery import discover_experts
-from sonar_fx.memory import measure_peak
+from sonar_fx.memory import (
+    ExpertGradBytes,
+    measure_peak,
+    process_peak_rss_bytes,
+    process_rss_bytes,
+    state_bytes,
+)
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
@@ -41,21 +47,31 @@ def peaks():
     return standard, sonar, no_expert_grads, layers
 
 
+def test_expert_grad_bytes_follow_from_the_model_config():
+    model = build_model("tiny-reference", **SHAPE)
+    c = model.config
+    e, n, d, layers = c.num_experts, c.intermediate_size, c.hidden_size, c.num_layers
+    per_layer = e * (2 * n * d + d * n) * 4  # fp32 gate_up (E, 2n, d) and down (E, d, n)
+    grads = ExpertGradBytes.of(discover_experts(model))
+    assert (grads.total, grads.one_layer) == (layers * per_layer, per_layer)
+    assert grads.predicted_saving == (layers - 1) * per_layer
+    with pytest.raises(ValueError, match="discover_experts"):
+        ExpertGradBytes.of([])
+
+
 def test_sonar_saves_at_least_90_percent_of_the_prediction(peaks):
     standard, sonar, _, layers = peaks
-    all_grads = sum(layer.grad_bytes() for layer in layers)
-    one_layer = max(layer.grad_bytes() for layer in layers)
-    predicted = all_grads - one_layer
+    predicted = ExpertGradBytes.of(layers).predicted_saving
     assert standard - sonar >= 0.9 * predicted, (standard, sonar, predicted)
 
 
 def test_sonar_peak_holds_at_most_one_layer_of_expert_grads(peaks):
     standard, sonar, no_expert_grads, layers = peaks
-    one_layer = max(layer.grad_bytes() for layer in layers)
+    grads = ExpertGradBytes.of(layers)
     # The custom op saves the same activations whether or not experts need grads, so the difference
     # is what expert gradients cost at the peak: one layer for Sonar, all of them for standard.
-    assert sonar - no_expert_grads <= one_layer, (sonar, no_expert_grads, one_layer)
-    assert standard >= sum(layer.grad_bytes() for layer in layers)  # standard holds them all at once
+    assert sonar - no_expert_grads <= grads.one_layer, (sonar, no_expert_grads, grads.one_layer)
+    assert standard >= grads.total, (standard, grads.total)  # standard holds them all at once
 
 
 def test_measurement_sees_a_known_allocation():
@@ -66,3 +82,33 @@ def test_measurement_sees_a_known_allocation():
 
     _, peak = measure_peak(allocate)
     assert (1 << 20) + (1 << 19) <= peak.peak_bytes < (1 << 20) + (1 << 19) + 4096
+    _, freed_first = measure_peak(lambda: [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(3)])
+    # The list comprehension frees nothing until it returns: three MiB alive at once, not one.
+    assert freed_first.peak_bytes >= 3 << 20
+
+
+def test_state_bytes_count_weights_gradients_and_optimizer_state_once():
+    model = build_model("tiny-reference", **SHAPE)
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert state_bytes(model, []) == weights
+    opt = torch.optim.AdamW(params, fused=True)
+    model(**batches(1, seq=8)[0]).loss.backward()
+    assert state_bytes(model, [opt]) == 2 * weights  # every gradient is alive now, no state yet
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    moments = sum(
+        s[k].numel() * s[k].element_size() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
+    )
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
+    assert moments == 2 * weights and state_bytes(model, [opt]) == weights + moments + steps
+    assert state_bytes(model, [opt, opt]) == state_bytes(model, [opt])  # storages are counted once
+
+
+def test_process_rss_sees_memory_the_process_touches():
+    before = process_rss_bytes()
+    x = torch.ones(64 << 20, dtype=torch.uint8)  # written, so resident
+    grown = process_rss_bytes() - before
+    assert 64 << 20 <= grown + (1 << 20) < 96 << 20, grown  # the tensor, give or take the allocator
+    assert process_peak_rss_bytes() >= 64 << 20
+    del x
