@@ -46,4 +46,4 @@ bench-gpu:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache  # results/ is committed: the README quotes it

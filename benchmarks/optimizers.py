@@ -90,7 +90,7 @@ def _arm(
 ) -> Arm:
     def build() -> tuple[torch.nn.Module, TrainingMethod]:
         model = build_model(run.model, seed=0, **run.overrides)
-        extra = {"nonfinite": nonfinite} if method.startswith("sonar") else {}
+        extra: dict[str, Any] = {"nonfinite": nonfinite} if method.startswith("sonar") else {}
         m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
             m.optimizer.clipper.track_norms = norms

@@ -106,7 +106,7 @@ def test_meta_device_model_prepared_after_to_empty_and_load_trains_exactly():
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     # transformers recomputes non-persistent buffers (rotary inv_freq) at init: restore them too.
     buffers = {n: b.clone() for n, b in reference.named_buffers()}
-    torch._dynamo.reset()  # earlier tests' graphs of the shared transformers wrapper count to its recompile limit
+    torch._dynamo.reset()  # earlier graphs of the shared transformers wrapper count to its recompile limit
     runs = {}
     for method in ("sonar", "standard_no_expert_clip"):
         model = _materialised(state)
