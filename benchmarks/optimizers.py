@@ -227,16 +227,17 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     own_check = per_step_seconds(on, nonfinite_flag) / step
     net = gross - own_check
     end_to_end = ratio(on, off)
+    checked = ratio(on, unchecked)
     glob, std = by["sonar expert_clip=global"], by["standard (global clip)"]
     out = [
         Goal(name="logged norms cost", target="< 2% of step time",
              measured=f"net {net * 100:.2f}% (norm calls {gross * 100:.2f}% minus the non-finite pass they "
              f"replace; on/off step ratio {fmt_ratio(end_to_end)})",
              met=net < 0.02),
-        Goal(name="non-finite check cost", target="< 2% of step time",
-             measured=f"{own_check * 100:.2f}% as its own pass over each expert gradient (norms off); with "
-             f"the logged norms it reads the norm; raise/ignore step ratio {fmt_ratio(ratio(on, unchecked))}",
-             met=own_check < 0.02),
+        Goal(name="non-finite check cost", target="< 2% of step time (default: it reads the logged norm)",
+             measured=f"raise/ignore step ratio {fmt_ratio(checked)}; as its own aminmax pass (norms off) "
+             f"{own_check * 100:.2f}% of a step",
+             met=None if checked is None else checked.median < 1.02),
         Goal(name="global clip memory", target="below standard (global clip)",
              measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),
     ]  # fmt: skip
