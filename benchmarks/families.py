@@ -36,6 +36,7 @@ from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.methods import build_method
 from sonar_fx.models.families import build_family, moe_model_types
+from sonar_fx.workload import random_batches
 
 SCRIPT = "families"
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=0.5)
@@ -99,13 +100,9 @@ class TwinRun:
     """Eager only: standard AdamW with a global clip differs from Sonar (None: not run)."""
 
 
-def batches(n: int, *, vocab: int = 256, batch: int = 2, seq: int = 16, seed: int = 1) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+def batches(n: int, *, seed: int = 1) -> list[dict]:
+    """Random token batches below 256, the tiny family configs' smallest vocabulary."""
+    return random_batches(n, vocab=256, seed=seed)
 
 
 def explicit_experts(model_type: str, model: nn.Module) -> list[str] | None:

@@ -32,6 +32,7 @@ from sonar_fx.optim.adamw import nonfinite_flag
 from sonar_fx.optim.lowbit import is_lowbit
 from sonar_fx.optim.norms import tensor_norm
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.workload import random_batches
 
 SCRIPT = "optimizers"
 
@@ -99,15 +100,6 @@ def _arm(
     return Arm(label=label, build=build)
 
 
-def _batches(n: int, run: Config, vocab: int = 259) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (run.batch, run.seq), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
-
-
 def _expert_state_bytes(method: TrainingMethod) -> int:
     """Bytes of the optimizer states of the expert tensors (a quantized state counts its parts)."""
     opt = method.optimizer
@@ -127,7 +119,7 @@ def _expert_state_bytes(method: TrainingMethod) -> int:
 def run_arms(arms: Sequence[Arm], run: Config) -> None:
     """Build and warm each arm up, measure its step memory once, then time the arms in interleaved
     rounds (`sonar_fx.measure`); every arm stays alive throughout."""
-    data = _batches(run.warmup + 1 + run.rounds, run)
+    data = random_batches(run.warmup + 1 + run.rounds, batch=run.batch, seq=run.seq, seed=0)
     steps = []
     torch._dynamo.reset()
     with side_by_side():

@@ -43,6 +43,17 @@ def _token_stream(n_tokens: int, *, seed: int) -> Tensor:
     return torch.tensor(ids[:n_tokens], dtype=torch.int64)
 
 
+def random_batches(n: int, *, vocab: int = 259, batch: int = 2, seq: int = 16, seed: int = 1) -> list[Batch]:
+    """`n` (batch, seq) batches of uniformly random token ids below `vocab` (labels = inputs), from a
+    generator seeded with `seed`: for tests and benchmarks whose models need no meaningful text."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
 @torch.no_grad()
 def held_out_loss(model: nn.Module, batches: list[Batch]) -> float:
     """Mean loss of the (eager) model on held-out batches: compares what each arm learned."""

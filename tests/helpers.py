@@ -12,18 +12,13 @@ from torch import nn
 from sonar_fx.config import AdamWConfig
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.models import build_model
+from sonar_fx.workload import random_batches
 
 # lr large enough that bf16 weights visibly move in 3 steps; small clip so clipping is active.
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=0.5)
 
 
-def batches(n: int, *, vocab: int = 259, batch: int = 2, seq: int = 16, seed: int = 1) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, vocab, (batch, seq), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+batches = random_batches  # vocab 259: the byte tokenizer's size, the tiny models' vocab
 
 
 def trained(
