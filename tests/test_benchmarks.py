@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from benchmarks import common, compile_overhead, endurance, gpu, readme
+from benchmarks import common, compile_overhead, endurance, gpu, optimizers, readme
 from benchmarks.arms import Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table
 from benchmarks.memory_timeline import PHASES, profile_step, timeline
@@ -276,3 +276,15 @@ def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread
     assert records[(1, True)]["graphs_compiled"] == records[(2, True)]["graphs_compiled"]
     assert records[(2, True)]["updates_inserted"] == records[(1, False)]["updates_inserted"]
     assert records[(2, False)]["updates_inserted"] == 2 * records[(2, True)]["updates_inserted"]
+
+
+def test_optimizers_clipping_table_runs_every_arm_in_rounds_and_states_its_goals(one_thread):
+    tiny = dict(hidden_size=32, intermediate_size=32, num_experts=4, num_hidden_layers=2)
+    run = optimizers.Config(overrides=tiny, seq=16, warmup=1, rounds=2, lowbit=False)
+    table, arms = optimizers.clipping_table(run)
+    assert [a.error for a in arms] == [None] * len(arms)
+    assert all(len(a.step_s) == run.rounds and a.peak_bytes > 0 for a in arms)
+    assert [row[0] for row in table.rows] == [a.label for a in arms]
+    goals = {g.name: g for g in optimizers.goals(arms, None)}
+    assert set(goals) == {"logged norms cost", "non-finite check cost", "global clip memory"}
+    assert all(isinstance(g.met, bool) for g in goals.values())  # every goal measured
