@@ -165,13 +165,13 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
 
 
 def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
-    """Distributed engines train with 32-bit states and expert_clip None or "per_tensor"; the rest is
-    refused rather than run unverified (global clipping runs a second, expert-only backward that a
+    """Distributed engines are verified with expert_clip=None and 32-bit states; the rest is refused
+    rather than run unverified (global clipping runs a second, expert-only backward that a
     gradient-reducing engine does not expect)."""
-    if opt_cfg.expert_clip == "global":
+    if opt_cfg.expert_clip is not None:
         raise SonarUsageError(
-            f"expert_clip='global' is not supported with sonar_fx.distributed ({distributed.name}): use "
-            "expert_clip='per_tensor' or None."
+            f"expert_clip={opt_cfg.expert_clip!r} is not supported with sonar_fx.distributed "
+            f"({distributed.name}): train with expert_clip=None (dense gradients clipped, as in the paper)."
         )
     state_bits = getattr(opt_cfg, "state_bits", 32)
     if state_bits != 32:

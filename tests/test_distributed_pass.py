@@ -116,6 +116,10 @@ def test_engines_need_a_process_group(engine):
     "cfg, match",
     [
         (sonar_fx.AdamWConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="global"), "expert_clip='global'"),
+        (
+            sonar_fx.SGDConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="per_tensor"),
+            "expert_clip='per_tensor'",
+        ),
         (sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits=8"),
     ],
 )
