@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.errors import SonarUsageError
 from sonar_fx.optim.update_rule import State, UpdateRule
 
 BLOCK_SIZE = {8: 256, 4: 128}
@@ -97,7 +98,9 @@ class LowBitAdamRule(UpdateRule):
                 )  # fmt: skip
 
     def update_slices_(self, param, grad, state, group, *, found_inf):
-        raise NotImplementedError("per-expert granularity with low-bit states")  # refused at construction
+        # Unreachable: SonarOptimizer refuses granularity="per_expert" with low-bit states (torchao's
+        # quantized states are blocks over the whole tensor, not sliceable per expert).
+        raise SonarUsageError("granularity='per_expert' cannot use low-bit states: use state_bits=32.")
 
     def torch_optimizer(self, params: Sequence[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
         return self.torchao_class(list(params), **self.defaults(cfg))

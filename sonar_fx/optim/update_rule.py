@@ -8,6 +8,7 @@ Never: decide WHEN an update runs, or clip.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,18 +22,20 @@ State = dict[str, Any]
 """One tensor's optimizer state, as `torch.optim.Optimizer.state[param]` holds it."""
 
 
-class UpdateRule:
-    """Base class: see the module docstring. Subclasses set `name` and implement the methods."""
+class UpdateRule(ABC):
+    """Base class: see the module docstring. Subclasses set `name` and implement the abstract methods."""
 
     name = ""
 
+    @abstractmethod
     def defaults(self, cfg: OptimizerConfig) -> dict[str, Any]:
         """The hyper-parameters each param group carries (LR schedulers and `state_dict` see them)."""
-        raise NotImplementedError
 
     def init_state(self, param: Tensor, state: State) -> None:
         """Fill the empty `state` of `param` before its first update (may leave it empty)."""
+        return  # default: no state before the first update (SGD creates its momentum there)
 
+    @abstractmethod
     def update_(
         self,
         params: Sequence[Tensor],
@@ -44,7 +47,6 @@ class UpdateRule:
     ) -> None:
         """Update every tensor of `params` with its gradient, in place; `found_inf` (0-d float32,
         1.0 = skip) leaves them all untouched without a host sync."""
-        raise NotImplementedError
 
     def update_slices_(
         self, param: Tensor, grad: Tensor, state: State, group: dict[str, Any], *, found_inf: Tensor | None
@@ -56,6 +58,6 @@ class UpdateRule:
             self.update_([param[e]], [grad[e]], [sliced], group, found_inf=found_inf)
         return param.shape[0]
 
+    @abstractmethod
     def torch_optimizer(self, params: Sequence[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
         """The end-of-step optimizer over `params` that this rule's updates equal bitwise."""
-        raise NotImplementedError
