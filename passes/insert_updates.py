@@ -66,7 +66,7 @@ def expert_update_pass(
         if not eg.aliases:
             counters["sonar"]["left_to_hooks"] += 1
             continue
-        reader = last_reader(bw_gm, eg)
+        reader = last_reader(eg, order)  # insertions keep the original nodes' relative order
         if reduce is None:
             insert_update(bw_gm, eg, anchor=reader, aliases=eg.aliases)
         else:
@@ -88,9 +88,9 @@ def expert_update_pass(
     return bw_gm
 
 
-def last_reader(bw_gm: GraphModule, eg: ExpertGrad) -> Node:
-    """The node after which the update may run: the gradient and every read of the weight are done."""
-    order = node_order(bw_gm.graph)
+def last_reader(eg: ExpertGrad, order: dict[Node, int]) -> Node:
+    """The node after which the update may run: the gradient and every read of the weight are done.
+    `order`: `node_order` of the graph (before or after insertions: they keep the original order)."""
     return max((eg.grad, *eg.readers), key=order.__getitem__)
 
 

@@ -26,7 +26,7 @@ from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim import lowbit
 from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
 from sonar_fx.optim.errors import NonFiniteGradientError, SonarUsageError
-from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, tensor_norm, total_norm
+from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.rules import rule_for
 from sonar_fx.optim.stats import SonarStats
@@ -210,7 +210,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 f"{name} received two gradients in one backward (a module that runs twice per forward): "
                 "expert_clip='global' needs each expert gradient whole; use expert_clip='per_tensor' or None."
             )
-        self.clipper.current.experts[name] = tensor_norm(grad_like_param(param, grad))
+        self.clipper.norm_of(name, grad_like_param(param, grad))  # recorded for the update pass
         return True
 
     def _check_tensor(self, name: str, param: Tensor, grad: Tensor) -> None:
@@ -259,10 +259,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.tracker.open_task = None
         if self.nonfinite != "raise" or not self._skip_flags:
             return
-        names = list(self._skip_flags)
-        bad = [
-            n for n, f in zip(names, torch.stack(list(self._skip_flags.values())).tolist(), strict=True) if f
-        ]
+        bad = self._nonfinite_names()
         if not self._any_rank(bool(bad)):
             return
         self.tracker.interrupted = [n for n in self.tracker.updated if n not in bad]
@@ -400,12 +397,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Apply the non-finite policy to the dense gradients (and, under "skip", the experts')."""
         if self.nonfinite == "ignore":
             return False
-        flags = list(self._skip_flags.values())
-        skipped = (
-            [n for n, f in zip(self._skip_flags, torch.stack(flags).tolist(), strict=True) if f]
-            if flags
-            else []
-        )
+        skipped = self._nonfinite_names()
         dense_bad = total_norm is not None and not bool(torch.isfinite(total_norm))
         if dense_bad and self.nonfinite == "raise":
             bad = [self._dense_name(i) for i, p in enumerate(params) if not _finite(p.grad)]

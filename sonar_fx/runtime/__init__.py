@@ -9,7 +9,7 @@ passes, the backend or training code.
 """
 
 from sonar_fx.runtime.hooks import register_expert_hooks
-from sonar_fx.runtime.registry import ExpertOwner, UnboundExpertError, bind, owner_of, unbind
+from sonar_fx.runtime.registry import ExpertOwner, UnboundExpertError, bind, owner_of
 from sonar_fx.runtime.update_op import EXPERT_UPDATE_OP
 
 __all__ = [
@@ -19,5 +19,4 @@ __all__ = [
     "bind",
     "owner_of",
     "register_expert_hooks",
-    "unbind",
 ]

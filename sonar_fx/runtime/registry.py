@@ -44,13 +44,6 @@ def bind(param: Tensor, owner: ExpertOwner) -> None:
     _bindings[key] = _Binding(weakref.ref(param, forget), weakref.ref(owner))
 
 
-def unbind(param: Tensor, owner: ExpertOwner) -> None:
-    """Drop `param`'s binding if `owner` still holds it."""
-    binding = _bindings.get(id(param))
-    if binding is not None and binding.param() is param and binding.owner() is owner:
-        del _bindings[id(param)]
-
-
 def owner_of(param: Tensor) -> ExpertOwner | None:
     """The live owner of the expert parameter `param` (the object itself, not a view), or None."""
     binding = _bindings.get(id(param))
