@@ -385,3 +385,11 @@ def test_the_example_fine_tunes_and_the_held_out_loss_falls(tmp_path):
         ["--compiler", "eager", "--steps", "2", "--records", "24", "--held-out", "8", "--out", str(tmp_path)]
     )
     assert result["eval_loss_after"] < result["eval_loss_before"]
+
+
+def test_a_sonar_optimizer_other_than_adamw_is_refused(tmp_path):
+    args = training_args(tmp_path)
+    cfg = sonar_fx.LionConfig(lr=args.learning_rate, max_grad_norm=None)
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), cfg, compiler="eager")
+    with pytest.raises(sonar_fx.SonarUsageError, match="built with LionConfig"):
+        SonarTrainer(model=model, args=args, **trainer_data())

@@ -223,6 +223,8 @@ def test_cli_trains_with_optimizer_and_clip_logs_norms_and_checkpoint_refuses_an
         (("--optimizer", "sgd", "--state-bits", "8"), "--state-bits"),
         (("--optimizer", "adamw", "--momentum", "0.9"), "--momentum"),
         (("--optimizer", "sgd", "--nesterov"), "--nesterov"),
+        (("--optimizer", "sgd", "--betas", "0.8", "0.9"), "--betas"),
+        (("--optimizer", "lion", "--eps", "1e-6"), "--eps"),
         (("--method", "standard_no_expert_clip", "--expert-clip", "global"), "--expert-clip"),
         (("--expert-clip", "per_tensor", "--max-grad-norm", "none"), "--expert-clip"),
     ],

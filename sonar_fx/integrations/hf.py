@@ -124,6 +124,12 @@ def _check_clip(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
 
 def _check_hyperparameters(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
     wanted, built = sonar_config(args), optimizer.cfg
+    if type(built) is not AdamWConfig:
+        raise SonarUsageError(
+            f"model.sonar was built with {type(built).__name__}, but the Trainer describes an AdamW run "
+            "(TrainingArguments.optim, adam_beta1/2, adam_epsilon): compile with "
+            "sonar_fx.integrations.hf.sonar_config(args), which builds the matching AdamWConfig."
+        )
     fields = ("lr", "betas", "eps", "weight_decay")
     differ = [f"{f}: Trainer {getattr(wanted, f)!r}, model.sonar {getattr(built, f)!r}" for f in fields]
     differ = [d for f, d in zip(fields, differ, strict=True) if getattr(wanted, f) != getattr(built, f)]

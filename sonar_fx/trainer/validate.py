@@ -137,12 +137,13 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
 def _refuse_unused(cfg: TrainConfig, used: dict[str, Any]) -> None:
     """A flag the chosen optimizer has no use for is refused, not silently dropped."""
     defaults = TrainConfig()
-    for name in ("momentum", "dampening", "nesterov", "state_bits"):
+    for name in ("betas", "eps", "momentum", "dampening", "nesterov", "state_bits"):
         if name not in used and getattr(cfg, name) != getattr(defaults, name):
             flag = flag_of(name)
             raise ConfigError(
-                f"{flag} does not apply to --optimizer {cfg.optimizer} (momentum, dampening and nesterov are "
-                "SGD's; state bits are Adam(W)'s); drop it or pick the optimizer it belongs to",
+                f"{flag} does not apply to --optimizer {cfg.optimizer} (betas are Adam(W)'s and Lion's, eps "
+                "and state bits Adam(W)'s, momentum, dampening and nesterov SGD's); drop it or pick the "
+                "optimizer it belongs to",
                 flag=flag,
             )
 
