@@ -30,8 +30,18 @@ from sonar_fx.optim.reduction import Update
 from sonar_fx.passes.reduce_grads import GraphReduce
 
 
-def _any_rank(local: bool, group: dist.ProcessGroup | None) -> bool:
-    flag = torch.tensor([1.0 if local else 0.0])
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor for a collective over `group` must live (NCCL reduces CUDA tensors only)."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def any_rank(local: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether `local` holds on any rank of `group`; every rank calls it at the same point."""
+    flag = torch.tensor([1.0 if local else 0.0], device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
@@ -193,7 +203,7 @@ class LocalExperts:
 
     def any_rank(self, local: bool) -> bool:
         # Each rank holds different experts: one rank's non-finite gradient must stop every rank.
-        return _any_rank(local, self.group)
+        return any_rank(local, self.group)
 
     def live_grads(self) -> list[Tensor]:
         return []

@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx import data as D
+from sonar_fx.distributed.reductions import any_rank
 from sonar_fx.memory import measure_peak
 from sonar_fx.methods import TrainingMethod
 from sonar_fx.optim.optimizer import SonarOptimizer
@@ -128,7 +129,7 @@ class Trainer:
                 metrics.write(record)
                 done = step + 1
                 # Ranks get a signal at different moments: stop at the same step boundary on all.
-                stopping = stop.requested if self.parallel is None else par.any_rank(stop.requested)
+                stopping = stop.requested if self.parallel is None else any_rank(stop.requested)
                 if cfg.checkpoint and (done == self.end or stopping or self._due(done)):
                     self._save(done)
                 bar.set_postfix(_postfix(record), refresh=False)

@@ -81,11 +81,6 @@ def from_env(engine: str | None) -> Parallel | None:
     return Parallel(engine, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))  # type: ignore[arg-type]
 
 
-def world_size(engine: str | None) -> int:
-    parallel = from_env(engine)
-    return parallel.world if parallel else 1
-
-
 def check(parallel: Parallel, method: str, execution: Execution) -> None:
     """Refuse combinations the engines do not run, naming the flag."""
     if method not in METHODS_ON[parallel.engine]:
@@ -127,13 +122,6 @@ def mean_over_ranks(value: Tensor) -> float:
     total = value.detach().float().reshape(1).clone()
     dist.all_reduce(total)
     return float(total) / dist.get_world_size()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is on one (a stop signal reaches ranks at different times)."""
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def build_parallel_method(

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx import data as D
+from sonar_fx.distributed.reductions import any_rank, collective_device
 from sonar_fx.memory import process_peak_rss_bytes
 from sonar_fx.methods import TrainingMethod, build_method
 from sonar_fx.optim.optimizer import SonarOptimizer
@@ -143,9 +144,9 @@ def _train_locked(
 
 def _check_same_start(plan: RunPlan) -> None:
     """Every rank resumes from the same step (sharded engines read one checkpoint file per rank)."""
-    start = torch.tensor([plan.start])
+    start = torch.tensor([plan.start], device=collective_device())
     torch.distributed.broadcast(start, src=0)
-    if par.any_rank(int(start) != plan.start):
+    if any_rank(int(start) != plan.start):
         rank = plan.parallel.rank if plan.parallel else 0
         raise ckpt_io.CheckpointError(
             f"--resume: the ranks' checkpoints disagree (rank {rank} is at step {plan.start}, rank 0 at "
