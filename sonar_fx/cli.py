@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from sonar_fx.api import COMPILERS
-from sonar_fx.config import OPTIMIZER_CONFIGS, STATE_BITS, ConfigFieldError
+from sonar_fx.config import EXPERT_CLIPS, OPTIMIZER_CONFIGS, STATE_BITS, ConfigFieldError
 from sonar_fx.data import DataError
 from sonar_fx.experts.report import add_inspect_flags, inspect_command
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
+from sonar_fx.optim.optimizer import NONFINITE
 from sonar_fx.trainer import (
     DTYPES,
     CheckpointError,
@@ -129,7 +130,7 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
     add("--state-bits", type=int, choices=STATE_BITS, default=d.state_bits,
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
-    add("--nonfinite", choices=("raise", "skip", "ignore"), default=d.nonfinite,
+    add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     add("--parallel", choices=ENGINES, default=None,
         help="under torchrun: data parallel with DDP, FSDP2 (fully_shard) or expert parallelism (ep); "
@@ -247,7 +248,7 @@ def _optional_float(text: str) -> float | None:
 
 
 def _expert_clip(text: str) -> str | None:
-    choices = ("none", "per_tensor", "global")
+    choices = tuple(c or "none" for c in EXPERT_CLIPS)
     if text not in choices:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
     return None if text == "none" else text

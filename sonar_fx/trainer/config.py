@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 import torch
 
+from sonar_fx.config import ExpertClip, StateBits
 from sonar_fx.methods import Execution
+from sonar_fx.optim.optimizer import NonFinite
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -85,12 +87,12 @@ class TrainConfig:
     """SGD only."""
     max_grad_norm: float | None = 1.0
     """Global-norm clip (which gradients it covers is the method's); None: no clipping."""
-    expert_clip: Literal["per_tensor", "global"] | None = None
+    expert_clip: ExpertClip = None
     """How expert gradients are clipped (`sonar_fx.config`): None (sonar: not at all), "per_tensor", or
     "global" (two backward passes; the twin of the standard method)."""
-    state_bits: Literal[32, 8, 4] = 32
+    state_bits: StateBits = 32
     """Adam(W) only: bits of the expert tensors' moments (8, 4: torchao's low-bit states)."""
-    nonfinite: Literal["raise", "skip", "ignore"] = "raise"
+    nonfinite: NonFinite = "raise"
     """Sonar methods: an inf/NaN gradient stops the run ("raise", nothing of that step applied), skips
     the step and goes on ("skip", counted in the summary's sonar report) or is trained on ("ignore")."""
     seed: int = 42
