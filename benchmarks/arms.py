@@ -171,7 +171,8 @@ def _describe(run: _Live, calls_before: int, held_out: Sequence[Batch]) -> None:
     try:
         result.held_out_loss = held_out_loss(run.model, list(held_out))
     except Exception as err:
-        result.fail(err)
+        if result.error is None:  # an arm that already failed keeps its first, root-cause error
+            result.fail(err)
 
 
 def _update_calls(method: TrainingMethod) -> int:
