@@ -311,3 +311,12 @@ def test_compiled_sonar_is_bitwise_standard_no_expert_clip_with_the_same_backend
     report = run.optimizer.report()
     assert report["updates_in_graph"] == 2 * 2 * NUM_LAYERS and report["updates_by_hook"] == 0
     assert report["fallbacks"] == []
+
+
+def test_ungated_transformers_experts_are_refused_before_the_model_changes():
+    from sonar_fx.models.families import build_family
+
+    model = build_family("nemotron_h", seed=0)  # NemotronHExperts: up_proj only (has_gate=False)
+    with pytest.raises(ValueError, match="has_gate=False"):
+        use_kernel_backend(model, "torch")
+    assert kernel_backend_of(model) == "default", "a failed selection leaves the model as it was"

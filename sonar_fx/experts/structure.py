@@ -60,7 +60,7 @@ def find_in_module(module: nn.Module) -> Found | None:
     """The expert tensors `module` owns directly, or None."""
     if isinstance(module, nn.modules.conv._ConvNd):
         return None
-    if _is_transformers_experts(module):
+    if is_transformers_experts(module):
         return _transformers_experts(module)
     counts = declared_counts(module)
     return _batched(module, counts) or (_fused_2d(module, counts) if counts else None)
@@ -70,7 +70,7 @@ def _own_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {a: p for a, p in module._parameters.items() if p is not None}
 
 
-def _is_transformers_experts(module: nn.Module) -> bool:
+def is_transformers_experts(module: nn.Module) -> bool:
     # `transformers.integrations.moe.use_experts_implementation` sets these four flags on every instance.
     flags = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
     return all(isinstance(getattr(module, f, None), bool) for f in flags)

@@ -29,6 +29,7 @@ from sonar_fx.experts.kernels.scattermoe import check_scattermoe, scattermoe_for
 from sonar_fx.experts.kernels.sonicmoe import check_layout as check_sonicmoe_layout
 from sonar_fx.experts.kernels.sonicmoe import check_sonicmoe, sonicmoe_forward
 from sonar_fx.experts.kernels.torch_backend import check_torch, torch_forward
+from sonar_fx.experts.structure import is_transformers_experts
 
 BACKENDS: dict[str, KernelBackend] = {
     "torch": KernelBackend(
@@ -126,13 +127,8 @@ def use_kernel_backend(model: nn.Module, name: str) -> nn.Module:
 def expert_layouts(model: nn.Module) -> list[tuple[ExpertLayout, Glu | None]]:
     """(layout, own gate function) of every experts module the backend would compute."""
     if hasattr(model, "set_experts_implementation"):
-        return [hf_layout(m) for m in model.modules() if _is_hf_experts(m)]
+        return [hf_layout(m) for m in model.modules() if is_transformers_experts(m)]
     return [(HF_LAYOUT, None) for _ in _kernel_modules(model)]
-
-
-def _is_hf_experts(module: nn.Module) -> bool:
-    w = getattr(module, "gate_up_proj", None)
-    return isinstance(w, nn.Parameter) and w.dim() == 3 and hasattr(module, "down_proj")
 
 
 def _kernel_modules(model: nn.Module) -> list[Any]:
