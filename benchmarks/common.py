@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from tabulate import tabulate
 
+from sonar_fx.measure import SIDE_BY_SIDE
 from sonar_fx.trainer.environment import cpu_cores, cpu_name
 
 if TYPE_CHECKING:
@@ -183,13 +184,10 @@ def setup(args: argparse.Namespace) -> None:
     # transformers' grouped_mm dispatch calls an lru_cache'd version check under dynamo: benign, and
     # repeated for every compiled arm it would bury the tables.
     warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-    # Several compiled arms of one model class live side by side; the default recompile limit (8 per
-    # code object) would silently send the later ones to eager.
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.accumulated_recompile_limit = 4096
-    # A new arm must compile a static graph for its own batch shape, not a dynamic one because an
-    # earlier arm of the same model class saw another shape.
-    torch._dynamo.config.automatic_dynamic_shapes = False
+    # Several compiled arms of one model class live side by side, for the whole process (scripts that
+    # do not wrap their arms in `side_by_side` too).
+    for name, value in SIDE_BY_SIDE.items():
+        setattr(torch._dynamo.config, name, value)
 
 
 def command(script: str, argv: Sequence[str] | None = None) -> str:

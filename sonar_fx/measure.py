@@ -180,16 +180,19 @@ def ratio(a: ArmResult | None, b: ArmResult | None) -> Spread | None:
     return paired_ratio(a.step_s, b.step_s)
 
 
+SIDE_BY_SIDE: dict[str, Any] = dict(
+    recompile_limit=256, accumulated_recompile_limit=4096, automatic_dynamic_shapes=False
+)
+"""Dynamo settings for several compiled models of one class alive at once (interleaved arms): the
+default recompile limit (8 per code object) would silently send later arms to eager, and a new arm
+must compile a static graph for its own batch shape, not a dynamic one because an earlier arm of the
+same class saw another shape."""
+
+
 @contextmanager
 def side_by_side() -> Iterator[None]:
-    """Dynamo settings for several compiled models of one class alive at once (interleaved arms).
-
-    The default recompile limit (8 per code object) would silently send later arms to eager, and a
-    new arm must compile a static graph for its own batch shape, not a dynamic one because an earlier
-    arm of the same class saw another shape."""
-    with torch._dynamo.config.patch(
-        recompile_limit=256, accumulated_recompile_limit=4096, automatic_dynamic_shapes=False
-    ):
+    """`SIDE_BY_SIDE` for the duration of the block."""
+    with torch._dynamo.config.patch(**SIDE_BY_SIDE):
         yield
 
 
