@@ -109,7 +109,8 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
         t = stack.pop()
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
-            stack.extend(getattr(t, name) for name in names)
+            # Only the inner tensors hold memory (a DTensor also lists its device mesh here).
+            stack.extend(inner for name in names if isinstance(inner := getattr(t, name), Tensor))
             continue
         storage = t.untyped_storage()
         found[storage.data_ptr()] = storage.nbytes()

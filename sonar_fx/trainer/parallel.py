@@ -28,7 +28,8 @@ from sonar_fx.config import ConfigFieldError
 from sonar_fx.distributed.reductions import any_rank, collective_device
 from sonar_fx.engines import ENGINES, SINGLE_PROCESS, Engine
 from sonar_fx.methods import Execution, Method, TrainingMethod, check_engine
-from sonar_fx.trainer.config import ConfigError, flag_of
+from sonar_fx.trainer.config import ConfigError
+from sonar_fx.trainer.validate import field_error
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class Parallel:
         try:
             check_engine(self.engine, Method.named(method), execution)
         except ConfigFieldError as exc:
-            flag = flag_of(exc.field)
-            raise ConfigError(f"{flag}: {exc} (--parallel {self.engine.name})", flag=flag) from exc
+            raise field_error(exc) from exc
 
     def join(self, device: str) -> bool:
         """Join torchrun's process group (gloo on CPU, nccl on CUDA); True if this call created it."""
