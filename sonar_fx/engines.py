@@ -133,21 +133,6 @@ class _Distributed(Engine):
                 field=field,
             )
 
-    def _one_update_per_tensor(self, granularity: Granularity) -> None:
-        if granularity != "batched":
-            raise ConfigFieldError(
-                f"granularity={granularity!r} is a single-process ablation; the {self.name} engine updates "
-                "each expert tensor whole",
-                field="method",
-            )
-
-
-@dataclass(frozen=True)
-class DDPEngine(_Distributed):
-    """DistributedDataParallel for the dense parameters, experts beside it (`sonar_fx.distributed.ddp`)."""
-
-    name: str = "ddp"
-
     def sonar(
         self,
         model: nn.Module,
@@ -159,11 +144,34 @@ class DDPEngine(_Distributed):
         experts: Experts,
         **sonar_kwargs: Any,
     ) -> tuple[Run, SonarOptimizer]:
+        if granularity != "batched":
+            raise ConfigFieldError(
+                f"granularity={granularity!r} is a single-process ablation; the {self.name} engine updates "
+                "each expert tensor whole",
+                field="method",
+            )
+        run = self._setup(model, cfg, compiler, experts, sonar_kwargs)
+        return run, api.sonar_of(run)
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        """Sonar through the engine's `sonar_fx.distributed` entry point (`options`: its keywords)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DDPEngine(_Distributed):
+    """DistributedDataParallel for the dense parameters, experts beside it (`sonar_fx.distributed.ddp`)."""
+
+    name: str = "ddp"
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
         import sonar_fx.distributed as sd
 
-        self._one_update_per_tensor(granularity)
-        run = sd.ddp(model, cfg, compiler=compiler, experts=experts, **sonar_kwargs)  # type: ignore[arg-type]
-        return run, api.sonar_of(run)
+        return sd.ddp(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         from torch.nn.parallel import DistributedDataParallel
@@ -181,22 +189,12 @@ class FSDP2Engine(_Distributed):
     sharded: bool = True
     local_state: bool = True
 
-    def sonar(
-        self,
-        model: nn.Module,
-        cfg: OptimizerConfig,
-        *,
-        compiler: str,
-        sonar_pass: bool,
-        granularity: Granularity,
-        experts: Experts,
-        **sonar_kwargs: Any,
-    ) -> tuple[Run, SonarOptimizer]:
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
         import sonar_fx.distributed as sd
 
-        self._one_update_per_tensor(granularity)
-        run = sd.fsdp2(model, cfg, compiler=compiler, experts=experts, **sonar_kwargs)  # type: ignore[arg-type]
-        return run, api.sonar_of(run)
+        return sd.fsdp2(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         import sonar_fx.distributed as sd
@@ -221,22 +219,12 @@ class ExpertParallelEngine(_Distributed):
     methods: tuple[str, ...] | None = ("sonar", "standard_no_expert_clip")
     compiles: bool = False
 
-    def sonar(
-        self,
-        model: nn.Module,
-        cfg: OptimizerConfig,
-        *,
-        compiler: str,
-        sonar_pass: bool,
-        granularity: Granularity,
-        experts: Experts,
-        **sonar_kwargs: Any,
-    ) -> tuple[Run, SonarOptimizer]:
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
         import sonar_fx.distributed as sd
 
-        self._one_update_per_tensor(granularity)
-        run = sd.expert_parallel(model, cfg, experts=experts, **sonar_kwargs)
-        return run, api.sonar_of(run)
+        return sd.expert_parallel(model, cfg, experts=experts, **options)  # eager only: `compiles`
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         from torch.nn.parallel import DistributedDataParallel
