@@ -83,6 +83,7 @@ class Method:
     """What a training method is: Sonar or a baseline, and which gradients it clips."""
 
     name: str
+    """As `--method` and `build_method` spell it."""
     clip: Clip
     """Which gradients one global norm clips: every one, the dense ones, or none. Sonar's follows
     `expert_clip` (see `clipped`); each baseline's is fixed and refuses an `expert_clip` it cannot honour."""
@@ -97,6 +98,7 @@ class Method:
 
     @classmethod
     def named(cls, name: str) -> Method:
+        """The method called `name` (one of `METHODS`)."""
         if name not in METHOD_KINDS:
             raise ConfigFieldError(
                 f"unknown method {name!r}: expected one of {', '.join(METHODS)}", field="method"
