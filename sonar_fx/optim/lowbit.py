@@ -72,16 +72,16 @@ class LowBitAdamRule(UpdateRule):
     def _new_buffer(self, param: Tensor, *, signed: bool) -> Tensor:
         # As torchao's _AdamBase._new_buffer: an FSDP2 shard (DTensor) quantizes its local tensor by
         # the local size, and the state is a DTensor over the same mesh and placements.
-        local = param.to_local() if hasattr(param, "to_local") else param
+        from torch.distributed.tensor import DTensor  # only FSDP2 shards are DTensors
+
+        local = param.to_local() if isinstance(param, DTensor) else param
         block = BLOCK_SIZE[self.bits]
         if local.numel() >= MIN_QUANTIZED and local.numel() % block == 0:
             out = self.torchao_class._subclass_zeros(local, signed, block)
         else:
             out = torch.zeros_like(local)
-        if local is param:
+        if not isinstance(param, DTensor):
             return out
-        from torch.distributed.tensor import DTensor
-
         wrapped = DTensor.from_local(
             out,
             param.device_mesh,
@@ -89,7 +89,7 @@ class LowBitAdamRule(UpdateRule):
             run_check=False,
             shape=param.shape,
             stride=param.stride(),
-        )  # type: ignore[attr-defined]
+        )
         return wrapped.to(param.device)
 
     def update_(
