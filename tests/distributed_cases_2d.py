@@ -3,7 +3,8 @@
 Sonar on `sonar_fx.distributed.fsdp2_ep` against the same layout (`shard_fsdp2_ep`) trained with the
 standard recipe written here in plain torch: torch's optimizer on the DTensors, the clip the option
 names (under expert_clip="global", torchtitan's: the experts' norm reduced over the whole mesh as
-a DTensor, combined with the dense one). Controls: the experts' FSDP2 groups left at FSDP2's default
+a DTensor, combined with the dense one), torchao's for low-bit expert states, each block compiled
+where the case compiles. Controls: the experts' FSDP2 groups left at FSDP2's default
 divide factor (the "dp" size, not the world) must differ; and plain data parallelism (DDP, every
 expert on every rank) trains the same model up to the summation order of the reductions.
 """
@@ -11,12 +12,22 @@ expert on every rank) trains the same model up to the summation order of the red
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from distributed_cases import differ, digest
-from distributed_cases_options import ADAMW, BASE, STEPS, dense_params, expert_params, train_sonar
+from distributed_cases_options import (
+    ADAMW,
+    BASE,
+    STEPS,
+    WIDE,
+    dense_params,
+    expert_params,
+    torchao_optimizer,
+    train_sonar,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -28,37 +39,72 @@ from sonar_fx.optim.rules import rule_for
 
 from helpers import batches
 
-GLOBAL = sonar_fx.AdamWConfig(**BASE, max_grad_norm=0.5, expert_clip="global")
-PER_TENSOR = sonar_fx.AdamWConfig(**BASE, max_grad_norm=0.05, expert_clip="per_tensor")
+
+@dataclass(frozen=True)
+class Case:
+    cfg: Any
+    rule: str
+    """The twin's clip: "dense", "per_tensor" or "global"."""
+    dtype: torch.dtype = torch.float32
+    compiler: str = "eager"
+    shape: tuple[tuple[str, Any], ...] = ()
+
+
+CASES = {
+    "adamw": Case(ADAMW, "dense"),
+    "adam/aot_eager": Case(sonar_fx.AdamConfig(**BASE, max_grad_norm=0.5), "dense", compiler="aot_eager"),
+    "sgd/per_tensor": Case(
+        sonar_fx.SGDConfig(**BASE, momentum=0.9, max_grad_norm=0.05, expert_clip="per_tensor"), "per_tensor"
+    ),
+    "lion/global/bf16": Case(
+        sonar_fx.LionConfig(lr=1e-3, max_grad_norm=0.5, expert_clip="global"), "global", dtype=torch.bfloat16
+    ),
+}
+LOWBIT_CASES = {
+    # 8 wide experts: a rank's E/ep = 4 experts sharded over dp are 2 x 64 x 64, large enough to quantize.
+    "adamw8bit/global": Case(
+        sonar_fx.AdamWConfig(**BASE, max_grad_norm=0.5, expert_clip="global", state_bits=8), "global",
+        shape=tuple(WIDE.items()),
+    ),
+}  # fmt: skip
 
 
 def mesh_2x2() -> Any:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
 
 
-def train_standard(model: nn.Module, cfg: Any, rank: int, rule: str, *, divide_by_world: bool = True) -> None:
+def train_standard(model: nn.Module, case: Case, rank: int, *, divide_by_world: bool = True) -> None:
+    """The same layout, the standard recipe: torch's (or torchao's) optimizer, clipped as `case.rule`."""
     mesh = mesh_2x2()
     sd.shard_fsdp2_ep(model, mesh)
     if not divide_by_world:  # control: FSDP2's default, the mean over "dp" only
         for module in model.modules():
             if isinstance(module, sd.ExpertParallelExperts):
                 module.set_gradient_divide_factor(float(mesh["dp"].size()))
-    optimizers = [
-        rule_for(cfg).torch_optimizer(ps, cfg) for ps in (dense_params(model), expert_params(model))
-    ]
+    if case.compiler != "eager":
+        for block in model.layers:
+            block.compile(backend=case.compiler)
+    dense, experts, cfg = dense_params(model), expert_params(model), case.cfg
+    # Dense and expert DTensors live on different meshes: one optimizer for each.
+    optimizers = [rule_for(cfg).torch_optimizer(dense, cfg), expert_optimizer(experts, cfg)]
     for b in batches(STEPS, seed=1 + rank):
         model(**b).loss.backward()
-        dense, experts = dense_params(model), expert_params(model)
-        if rule == "global":
+        if case.rule == "global":
             _global_clip_(dense, experts, cfg.max_grad_norm, mesh)
         else:
             torch.nn.utils.clip_grad_norm_(dense, cfg.max_grad_norm)
-        if rule == "per_tensor":
+        if case.rule == "per_tensor":
             for p in experts:
                 torch.nn.utils.clip_grad_norm_([p], cfg.max_grad_norm)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
+
+
+def expert_optimizer(experts: list[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+    if getattr(cfg, "state_bits", 32) == 32:
+        return rule_for(cfg).torch_optimizer(experts, cfg)
+    return torchao_optimizer(experts, cfg)
 
 
 def _global_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float, mesh: Any) -> None:
@@ -73,43 +119,46 @@ def _global_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], max_no
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
 
 
-def case(rank: int, cfg: Any, rule: str, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    model = build_model("tiny-reference", dtype=dtype, seed=0)
-    model = sd.fsdp2_ep(model, cfg, mesh=mesh_2x2())
+def run_case(rank: int, case: Case) -> tuple[dict[str, Any], nn.Module]:
+    shape = dict(case.shape)
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=case.dtype, seed=0, **shape)
+    model = sd.fsdp2_ep(model, case.cfg, mesh=mesh_2x2(), compiler=case.compiler)
     train_sonar(model, model.sonar, rank)
-    twin = build_model("tiny-reference", dtype=dtype, seed=0)
-    train_standard(twin, cfg, rank, rule)
+    torch._dynamo.reset()
+    twin = build_model("tiny-reference", dtype=case.dtype, seed=0, **shape)
+    train_standard(twin, case, rank)
     report = model.sonar.report()
     return {
         "differ": differ(model, twin),
         "dense_digest": digest(model, dense_only=True),
         "expert_digest": _expert_digest(model),
         "by_hook": report["updates_by_hook"],
+        "fallbacks": report["fallbacks"],
+        "expert_rule": report["expert_rule"],
         "max_expert_norm": max(report["grad_norms"]["experts"].values()),
         "total_norm": report["grad_norms"]["total"],
         "local_experts": [list(p.to_local().shape) for p in expert_params(model)],
-        "model": model,
-    }
+    }, model
 
 
 def fsdp2_ep_cases(rank: int) -> dict[str, Any]:
+    """Every case of `CASES`, the divide-by-dp control, plain DDP, and the memory rows."""
     out: dict[str, Any] = {}
-    first = case(rank, ADAMW, "dense")
-    model = first.pop("model")
-    out["adamw"] = first
-    control = build_model("tiny-reference", seed=0)
-    train_standard(control, ADAMW, rank, "dense", divide_by_world=False)
-    out["control/divide_by_dp"] = differ(model, control)
-    out["vs_ddp"] = _against_ddp(rank, model)
-    for label, cfg, rule, dtype in (
-        ("per_tensor", PER_TENSOR, "per_tensor", torch.float32),
-        ("global/bf16", GLOBAL, "global", torch.bfloat16),
-    ):
-        result = case(rank, cfg, rule, dtype)
-        result.pop("model")
-        out[label] = result
+    for label, case in CASES.items():
+        out[label], model = run_case(rank, case)
+        if label == "adamw":
+            control = build_model("tiny-reference", seed=0)
+            train_standard(control, case, rank, divide_by_world=False)
+            out["control/divide_by_dp"] = differ(model, control)
+            out["vs_ddp"] = _against_ddp(rank, model)
     out["memory"] = _memory_rows()
     return out
+
+
+def fsdp2_ep_lowbit(rank: int) -> dict[str, Any]:
+    """Low-bit expert states on the 2-D layout, against torchao's optimizer on the same layout."""
+    return {label: run_case(rank, case)[0] for label, case in LOWBIT_CASES.items()}
 
 
 def _memory_rows() -> list[dict[str, Any]]:

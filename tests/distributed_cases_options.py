@@ -137,13 +137,20 @@ def torch_optimizers(model: nn.Module, cfg: Any) -> list[torch.optim.Optimizer]:
     for the experts beside the torch one for the dense tensors."""
     if getattr(cfg, "state_bits", 32) == 32:
         return [rule_for(cfg).torch_optimizer(list(model.parameters()), cfg)]
+    return [
+        rule_for(cfg).torch_optimizer(dense_params(model), cfg),
+        torchao_optimizer(expert_params(model), cfg),
+    ]
+
+
+def torchao_optimizer(params: list[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+    """torchao's low-bit Adam(W) with the config's bits and hyperparameters."""
     import torchao.optim
 
     kind = getattr(
         torchao.optim, f"{'AdamW' if isinstance(cfg, sonar_fx.AdamWConfig) else 'Adam'}{cfg.state_bits}bit"
     )
-    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return [rule_for(cfg).torch_optimizer(dense_params(model), cfg), kind(expert_params(model), **hyper)]
+    return kind(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def train_standard(engine: Engine, model: nn.Module, cfg: Any, rank: int, rule: str, compiler: str) -> None:
