@@ -13,7 +13,8 @@ import pytest
 
 import distributed_worker
 
-EXPERTS = 4  # 2 layers x (gate_up, down) in tiny-olmoe
+pytestmark = pytest.mark.multiprocess
+EXPERTS = 4  # 2 layers x (gate_up, down) in tiny-olmoe and tiny-reference
 UPDATES = 3 * EXPERTS  # 3 steps
 
 
@@ -70,12 +71,13 @@ def test_ddp_aot_eager_one_graph_and_ddp_optimizer_subgraphs(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_inductor_one_graph_and_ddp_optimizer_subgraphs(tmp_path):
-    ranks = spawn("distributed_cases:ddp_inductor", tmp_path, timeout_s=900)
-    for label in ("split/bf16", "one_graph/fp32"):
-        runs = [r[label] for r in ranks]
-        assert_exact(runs, in_graph=UPDATES)
-        assert all(run["all_reduces"] == EXPERTS and run["reduced_here"] == 0 for run in runs)
+@pytest.mark.parametrize(("case", "label"), [("one_graph", "one_graph/fp32"), ("split", "split/bf16")])
+def test_ddp_inductor_one_graph_and_ddp_optimizer_subgraphs(tmp_path, case, label):
+    ranks = spawn(f"distributed_cases:ddp_inductor_{case}", tmp_path, timeout_s=1800)
+    runs = [r[label] for r in ranks]
+    assert_exact(runs, in_graph=UPDATES)
+    assert all(run["all_reduces"] == EXPERTS and run["reduced_here"] == 0 for run in runs)
+    assert all((run["graphs"] > 1) == (case == "split") for run in runs), "one graph, or DDP's subgraphs"
 
 
 def test_fsdp2_eager_per_block_compiled_and_dcp_resume(tmp_path):
