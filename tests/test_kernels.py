@@ -86,7 +86,7 @@ def problem(layout: ExpertLayout, dtype: torch.dtype, *, t=12, k=2, e=5, d=24, n
 def forward_backward(fn, leaves, index_Tk):
     hidden, weights, w_up, w_down = leaves
     out = fn(hidden, index_Tk, weights, w_up, w_down)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
     (out.float() * grad_out).sum().backward()
     return [out.detach().float()] + [x.grad.float() for x in leaves]
 
