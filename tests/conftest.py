@@ -43,6 +43,8 @@ STARTED: collections.Counter[str] = collections.Counter()
 """What tests started, by the marker it needs: inductor compiles (slow), processes, Python children."""
 CHILDREN = {"bash", "sh", "torchrun", "sonar-fx"}
 """Programs whose start needs the `subprocess` marker, besides Python itself."""
+LIBRARIES = ("torch", "triton")
+"""Packages whose own child processes are not the test's (see `_started_by_a_library`)."""
 CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
 """Settings every test finds as the one before it found them (`torch_settings_restored`)."""
 
@@ -107,7 +109,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     @functools.wraps(popen_init)
     def init(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
-        if _is_ours(args):
+        if _is_ours(args) and not _started_by_a_library():
             STARTED["subprocess"] += 1
         popen_init(self, args, *rest, **kwargs)  # type: ignore[arg-type]
 
@@ -121,6 +123,16 @@ def _counted(kind: str, fn):
         return fn(*args, **kwargs)
 
     return counted
+
+
+def _started_by_a_library() -> bool:
+    """Whether the code that started the child is torch's or triton's (inductor runs Python once per
+    process to check the CPU's vector ISA): only a test's own children need the marker."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename == subprocess.__file__:
+        frame = frame.f_back  # subprocess.run -> Popen.__init__
+    where = frame.f_code.co_filename if frame is not None else ""
+    return any(f"{os.sep}{lib}{os.sep}" in where for lib in LIBRARIES)
 
 
 def _is_ours(args: object) -> bool:

@@ -18,7 +18,7 @@ EXPERTS = 4  # 2 layers x (gate_up, down) in tiny-olmoe and tiny-reference
 UPDATES = 3 * EXPERTS  # 3 steps
 
 
-def spawn(fn: str, tmp_path, world: int = 2, timeout_s: int = 300) -> list[dict]:
+def spawn(fn: str, tmp_path, world: int = 2, timeout_s: int = distributed_worker.TIMEOUT_S) -> list[dict]:
     distributed_worker.run(fn, str(tmp_path), world=world, timeout_s=timeout_s)
     return distributed_worker.results(str(tmp_path), world)
 
@@ -117,7 +117,7 @@ def test_graph_compiled_with_all_reduce_is_refused_by_an_undistributed_model(tmp
 
 def test_world_size_4_is_close_to_ddp_and_ranks_agree_bitwise(tmp_path):
     """Per-tensor gloo all-reduce rounds differently from DDP's bucketed one beyond 2 ranks."""
-    ranks = spawn("distributed_cases:ddp_world4", tmp_path, world=4, timeout_s=420)
+    ranks = spawn("distributed_cases:ddp_world4", tmp_path, world=4)
     assert len({r["digest"] for r in ranks}) == 1
     assert all(r["max_abs_diff"] < 1e-5 and r["by_hook"] == UPDATES for r in ranks)
 
