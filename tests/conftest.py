@@ -175,8 +175,9 @@ def _check_tier(item: pytest.Item, before: collections.Counter[str], outcome) ->
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouping = config.pluginmanager.hasplugin("xdist")  # a GPU image may run pytest without it
     for item in items:
-        if _uses_module_fixture(item):
+        if grouping and _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))  # type: ignore[attr-defined]
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
