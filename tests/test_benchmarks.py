@@ -218,6 +218,7 @@ def test_replace_between_markers_keeps_the_rest():
     assert readme.replace_between_markers(text, "new") == f"a\n{readme.START}\nnew\n{readme.END}\nb\n"
 
 
+@pytest.mark.slow
 def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_thread):
     endurance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "endurance" / "results.json").read_text())
@@ -234,6 +235,7 @@ def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_th
     assert (tmp_path / "endurance" / "endurance.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_endurance_sees_a_recompile_after_warm_up(one_thread):
     # Negative control: a new sequence length after warm-up must show up as compiles, not as zero.
     cfg = endurance.Config(steps=8, warmup=3, seq=16)
@@ -258,6 +260,7 @@ def test_regional_rows_say_not_available_without_the_option(monkeypatch):
     assert rendered.count("not available") == 4
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not compile_overhead.regional_available(), reason="sonar_fx.compile has no regional=")
 def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread):
     cfg = compile_overhead.Config(

@@ -84,6 +84,7 @@ def test_python_dash_m_runs_the_cli():
         assert flag in result.stdout
 
 
+@pytest.mark.slow
 def test_demo_writes_table_json_chart_and_the_bitwise_verdict(tmp_path, capsys):
     from sonar_fx.demo import DemoConfig, run_demo
 

@@ -20,7 +20,7 @@ import distributed_worker
 from helpers import CFG, batches
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_deleting_model_and_optimizer_frees_both(compiler):
     torch._dynamo.reset()
     gc.collect()  # models of earlier tests that are already unreachable
