@@ -59,8 +59,9 @@ def torch_settings_restored():
     deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     yield
     for name, config in configs.items():
+        now = config.get_config_copy()  # not getattr: reading a deprecated key warns
         for key, value in saved[name].items():
-            if getattr(config, key) is not value and getattr(config, key) != value:
+            if now[key] is not value and now[key] != value:
                 setattr(config, key, value)
     torch.use_deterministic_algorithms(deterministic)
     torch.set_num_threads(threads)
