@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from benchmarks import common, gpu
+from benchmarks import gpu
 from sonar_fx.distributed import reductions
+from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import ArmResult, measure_arm
 
@@ -153,7 +154,7 @@ def test_cuda_memory_statistics_reach_the_arm_result(monkeypatch):
     )
     assert result.error is None, result.error
     assert (result.peak_bytes, result.allocated_bytes, result.reserved_bytes) == (3_000, 13_000, 13_000)
-    assert common.environment("cuda").device == "stub GPU"
+    assert Environment.now("cuda").gpu == "stub GPU"
 
 
 def test_the_flag_an_nccl_all_reduce_receives_is_a_cuda_tensor(monkeypatch):
