@@ -16,6 +16,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,6 +140,7 @@ class StubCudaAllocator:
             max_memory_allocated=lambda device=None: self.peak,
             max_memory_reserved=lambda device=None: self.reserved,
             get_device_name=lambda device=None: "stub GPU",
+            get_device_properties=lambda device=None: SimpleNamespace(name="stub GPU", total_memory=2**30),
         )  # fmt: skip
         for name, fn in stats.items():
             monkeypatch.setattr(torch.cuda, name, fn)
