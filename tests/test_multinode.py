@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,8 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import distributed_worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.subprocess]
 
@@ -33,7 +32,7 @@ ARGS = ["--model", "tiny-reference", "--compiler", "eager", "--train-size", "16"
 
 def two_nodes(out: Path, engine: str, *extra: str, kill_node_1_in_step: int | None = None) -> list[Node]:
     """Launch both nodes and wait for both; returns what each did (node 0, node 1)."""
-    port = str(distributed_worker.free_port())
+    port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
     launches = []
     for node in (0, 1):
@@ -74,6 +73,14 @@ def two_nodes(out: Path, engine: str, *extra: str, kill_node_1_in_step: int | No
             launch.kill()  # a node that outlived the timeout (a hung collective) ends here
         nodes.append(Node(launch.wait(), log.decode(errors="replace")[-2000:]))
     return nodes
+
+
+def free_port() -> int:
+    """A loopback port free now: torchrun's static rendezvous is a TCP store on node 0 (a file store,
+    as `distributed_worker` uses, is no rendezvous torchrun offers across nodes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
