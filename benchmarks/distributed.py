@@ -7,6 +7,11 @@ gradients a reduction holds in flight; the CPU profiler misses frees on gloo's t
 should be the engine's expert-gradient bytes (twice that under DDP without gradient_as_bucket_view,
 whose buckets hold a second copy) less at most one layer of them. Byte counts, so no timing noise:
 the same on every rank and every run (the script checks that ranks agree).
+
+The 2-D layout (`sonar_fx.distributed.fsdp2_ep`: experts E/ep per rank and FSDP2-sharded over dp,
+dense FSDP2 over every rank) runs on a separate dp x ep group of processes, standard against Sonar on
+the same layout; its rows also give what a rank holds between steps (parameters and optimizer states),
+against DDP's replicas on the same world.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import socket
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +40,8 @@ class Config:
     """Tiny-config fields (more experts and layers than the test model: the saving grows with both)."""
     dtype: str = "bfloat16"
     world: int = 2
+    mesh: tuple[int, int] = (2, 2)
+    """(dp, ep) of the 2-D layout's rows, run on dp * ep processes."""
     steps: int = 2
     batch: int = 2
     seq: int = 32
@@ -56,6 +63,8 @@ class Row:
     expected_min: int
     """The least saving the design predicts: expert bytes (x2 without bucket views) less one layer
     (two for the async all-reduce, which keeps one more alive; all of it for a shared FSDP2 group)."""
+    held_bytes: int | None = None
+    """2-D rows: parameters and optimizer states this rank holds between steps (`state_bytes`)."""
 
     @property
     def saving(self) -> int:
@@ -214,6 +223,51 @@ def _ep_rows(cfg: Config, dtype: Any) -> list[Row]:
             for arm, peak in peaks.items()]  # fmt: skip
 
 
+def measure_2d(cfg: Config) -> list[Row]:
+    """The 2-D layout's arms on this rank, and DDP's replicas on the same world for what a rank holds
+    (a process group of dp * ep ranks must be initialised)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sonar_fx.distributed as sd
+    from sonar_fx.api import sonar_of
+    from sonar_fx.config import AdamWConfig
+    from sonar_fx.distributed.memory import GradStorageCounter
+    from sonar_fx.memory import state_bytes
+
+    dtype = getattr(torch, cfg.dtype)
+    dp, ep = cfg.mesh
+    engine = f"FSDP2 x EP ({dp} dp x {ep} ep)"
+    rows, peaks = [], {}
+    for arm in ("standard", "sonar"):
+        mesh = init_device_mesh("cpu", cfg.mesh, mesh_dim_names=("dp", "ep"))
+        model = sd.shard_fsdp2_ep(_model(cfg, dtype), mesh)
+        experts, layer = _expert_bytes(model)
+        counter = GradStorageCounter.hook(model)
+        opt: torch.optim.Optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            if arm == "standard"
+            else sonar_of(sd.fsdp2_ep(model, AdamWConfig(lr=1e-3), mesh=mesh))
+        )
+        peaks[arm] = _peak(cfg, model, _sonar_step(opt), counter)
+        rows.append(Row(engine=engine, arm=arm, peak_bytes=peaks[arm], standard_bytes=peaks["standard"],
+                        expert_bytes=experts, layer_bytes=layer,
+                        expected_min=0 if arm == "standard" else experts - layer,
+                        held_bytes=state_bytes(model, [opt])))  # fmt: skip
+    model = _model(cfg, dtype)
+    counter = GradStorageCounter.hook(model)
+    wrapped = DDP(model)
+    counter.add_ddp(wrapped)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    peak = _peak(cfg, wrapped, _sonar_step(opt), counter)
+    experts, layer = _expert_bytes(model)
+    rows.append(Row(engine=f"DDP ({dp * ep} ranks, replicas)", arm="standard", peak_bytes=peak,
+                    standard_bytes=peak, expert_bytes=experts, layer_bytes=layer, expected_min=0,
+                    held_bytes=state_bytes(model, [opt])))  # fmt: skip
+    return rows
+
+
 # ------------------------------------------------------------------------------------ processes
 
 
@@ -223,7 +277,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, cfg: Config, port: int, out: str) -> None:
+def _rank_main(rank: int, cfg: Config, port: int, out: str, world: int, two_d: bool) -> None:
     import json
 
     import torch
@@ -231,25 +285,27 @@ def _rank_main(rank: int, cfg: Config, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows = measure(cfg)
+        rows = measure_2d(cfg) if two_d else measure(cfg)
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps([asdict(r) for r in rows]))
 
 
-def run(cfg: Config) -> list[list[Row]]:
-    """Rows of every rank (spawns `cfg.world` gloo processes on loopback)."""
+def run(cfg: Config, *, two_d: bool = False) -> list[list[Row]]:
+    """Rows of every rank (spawns `cfg.world` gloo processes on loopback; `two_d`: the 2-D layout's
+    rows, on dp * ep processes)."""
     import json
 
     import torch
 
+    world = cfg.mesh[0] * cfg.mesh[1] if two_d else cfg.world
     with tempfile.TemporaryDirectory() as out:
-        torch.multiprocessing.spawn(_rank_main, args=(cfg, _free_port(), out), nprocs=cfg.world, join=True)
-        return [
-            [Row(**r) for r in json.loads(Path(out, f"rank{k}.json").read_text())] for k in range(cfg.world)
-        ]
+        torch.multiprocessing.spawn(
+            _rank_main, args=(cfg, _free_port(), out, world, two_d), nprocs=world, join=True
+        )
+        return [[Row(**r) for r in json.loads(Path(out, f"rank{k}.json").read_text())] for k in range(world)]
 
 
 def table(rows: list[Row], cfg: Config, ranks_agree: bool) -> Table:
@@ -281,11 +337,44 @@ def table(rows: list[Row], cfg: Config, ranks_agree: bool) -> Table:
     return Table(title="Gradient memory per engine", headers=headers, rows=body, note=note)
 
 
+def largest(per_rank: list[list[Row]]) -> list[Row]:
+    """Each row with the largest byte counts over ranks (FSDP2's dense shards differ by a padded row)."""
+    fields = ("peak_bytes", "standard_bytes", "expert_bytes", "layer_bytes", "expected_min", "held_bytes")
+    return [replace(rows[0], **{f: _max(rows, f) for f in fields}) for rows in zip(*per_rank, strict=True)]
+
+
+def _max(rows: tuple[Row, ...], name: str) -> int | None:
+    values = [getattr(r, name) for r in rows]
+    return None if values[0] is None else max(values)
+
+
+def table_2d(rows: list[Row], cfg: Config) -> Table:
+    def kib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 1024:.1f}"
+
+    body = [
+        [r.engine, r.arm, kib(r.held_bytes), kib(r.peak_bytes), kib(r.expert_bytes),
+         "-" if r.arm == "standard" else f"{r.saving / r.expert_bytes:.2f}"]
+        for r in rows
+    ]  # fmt: skip
+    dp, ep = cfg.mesh
+    note = (
+        f"{cfg.model} {cfg.overrides or ''} {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank, "
+        f"{dp * ep} gloo ranks as {dp} dp x {ep} ep. The largest rank's bytes (FSDP2 pads uneven shards): "
+        "'held' = parameters and AdamW states between steps (storage bytes), 'grad peak' = gradient storage "
+        f"counted at every gradient completion; expert grads = the rank's E/{ep} experts' shard over dp."
+    )
+    headers = ["layout", "arm", "held KiB", "grad peak KiB", "expert grads KiB", "saving / expert grads"]
+    return Table(title="Memory per rank, 2-D layout", headers=headers, rows=body, note=note)
+
+
 def main(argv: list[str] | None = None) -> None:
     inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK)
     per_rank = run(inv.cfg)
     agree = all(rows == per_rank[0] for rows in per_rank)
-    inv.finish([table(per_rank[0], inv.cfg, agree)], records=[asdict(r) for r in per_rank[0]])
+    rows_2d = largest(run(inv.cfg, two_d=True))
+    tables = [table(per_rank[0], inv.cfg, agree), table_2d(rows_2d, inv.cfg)]
+    inv.finish(tables, records=[asdict(r) for r in per_rank[0] + rows_2d])
 
 
 if __name__ == "__main__":

@@ -174,26 +174,29 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
         )
 
 
-def distributed_gap(opt_cfg: OptimizerConfig) -> tuple[str, str] | None:
-    """The first setting of `opt_cfg` the distributed engines do not run, as (field, "field=value"), or
-    None. They are verified with expert_clip=None and 32-bit states; the rest is refused rather than
-    run unverified (global clipping runs a second, expert-only backward that a gradient-reducing
-    engine does not expect). The one rule: `prepare` and `sonar_fx.engines` both ask it."""
-    if opt_cfg.expert_clip is not None:
-        return "expert_clip", f"expert_clip={opt_cfg.expert_clip!r}"
-    state_bits = getattr(opt_cfg, "state_bits", 32)
-    if state_bits != 32:
-        return "state_bits", f"state_bits={state_bits}"
+DTENSOR_ENGINES = ("fsdp2", "fsdp2_ep")
+"""Engines whose expert tensors and states are DTensor shards (FSDP2)."""
+
+
+def distributed_gap(opt_cfg: OptimizerConfig, engine: str) -> tuple[str, str] | None:
+    """The first setting of `opt_cfg` that the distributed engine `engine` (its `--parallel` or reduction
+    name) does not run, as (field, why), or None. The one rule: `prepare` and `sonar_fx.engines` ask it.
+    4-bit states on DTensor shards are refused: torchao's own 4-bit optimizer fails on them (torch 2.13,
+    torchao 0.18: its compiled kernel asserts "wrong number of dimensions" on FSDP2 shards), so there
+    is no twin to be exact against."""
+    if getattr(opt_cfg, "state_bits", 32) == 4 and engine in DTENSOR_ENGINES:
+        return "state_bits", (
+            f"state_bits=4 is not supported on the {engine} engine: torchao's 4-bit states fail on FSDP2's "
+            "DTensor shards inside torchao's own optimizer (its compiled kernel rejects them), so nothing "
+            "verifies them; use state_bits=8 there, or 4 on ddp or ep"
+        )
     return None
 
 
 def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
-    gap = distributed_gap(opt_cfg)
+    gap = distributed_gap(opt_cfg, distributed.name)
     if gap is not None:
-        raise SonarUsageError(
-            f"{gap[1]} is not supported with sonar_fx.distributed ({distributed.name}): train with "
-            "expert_clip=None (dense gradients clipped, as in the paper) and state_bits=32."
-        )
+        raise SonarUsageError(gap[1] + ".")
 
 
 def _refuse_gradient_reducing_wrappers(model: nn.Module, experts: ExpertSet) -> None:

@@ -145,8 +145,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     add("--parallel", choices=tuple(ENGINES), default=None,
-        help="under torchrun: data parallel with DDP, FSDP2 (fully_shard) or expert parallelism (ep); "
-        "rank 0 logs and writes")  # fmt: skip
+        help="under torchrun (one node or several): data parallel with DDP, FSDP2 (fully_shard) or expert "
+        "parallelism (ep), with every optimizer flag and compiler; rank 0 logs and writes")  # fmt: skip
     _add_run_flags(p, d)
 
 

@@ -83,6 +83,11 @@ class Engine:
         """The factor a baseline applies to its expert gradients before clipping (1.0: none)."""
         return 1.0
 
+    def total_norm(self, params: list[nn.Parameter], experts: set[int]) -> torch.Tensor:
+        """The global norm of `params`' gradients as a baseline clips them all (`experts`: ids of the
+        expert tensors): `clip_grad_norm_`'s, a DTensor for FSDP2 shards."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
 
 @dataclass(frozen=True)
 class SingleProcess(Engine):
@@ -123,15 +128,9 @@ class _Distributed(Engine):
     hooks_on_compiled: bool = False
 
     def check_optimizer(self, cfg: OptimizerConfig) -> None:
-        gap = api.distributed_gap(cfg)
+        gap = api.distributed_gap(cfg, self.name)
         if gap is not None:
-            field, setting = gap
-            raise ConfigFieldError(
-                f"{setting} is not supported on the {self.name} engine: distributed runs clip expert "
-                "gradients not at all (the default) and keep 32-bit states; drop the setting or train on "
-                "one process",
-                field=field,
-            )
+            raise ConfigFieldError(gap[1], field=gap[0])
 
     def sonar(
         self,
@@ -198,50 +197,63 @@ class FSDP2Engine(_Distributed):
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         import sonar_fx.distributed as sd
-        from sonar_fx.compiled import repeated_blocks
 
         sd.fully_shard_experts(model)
-        if compiler != "eager":
-            layers = ExpertSet.discover(model).layers
-            for _, block in repeated_blocks(model, [layer.name for layer in layers]):
-                block.compile(backend=compiler)
+        _compile_blocks(model, compiler)
         return model
 
 
 @dataclass(frozen=True)
 class ExpertParallelEngine(_Distributed):
     """Expert parallelism: each rank holds E/world experts, dense parameters through DDP
-    (`sonar_fx.distributed.expert_parallel`). Eager only; a global clip over every gradient would
-    mix each rank's own experts into a norm that differs per rank, so no "standard" method."""
+    (`sonar_fx.distributed.expert_parallel`); compiled per block, the all-to-alls between the graphs.
+    Its global clip is torchtitan's: each rank's experts' norm, combined over ranks, with the dense
+    norm (`sonar_fx.distributed.reductions.expert_parallel_norm`)."""
 
     name: str = "ep"
     sharded: bool = True
-    methods: tuple[str, ...] | None = ("sonar", "standard_no_expert_clip")
-    compiles: bool = False
 
     def _setup(
         self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
     ) -> nn.Module:
         import sonar_fx.distributed as sd
 
-        return sd.expert_parallel(model, cfg, experts=experts, **options)  # eager only: `compiles`
+        return sd.expert_parallel(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         from torch.nn.parallel import DistributedDataParallel
 
         import sonar_fx.distributed as sd
 
-        if compiler != "eager":
-            raise ConfigFieldError(
-                f"the {self.name} engine runs eager models only: use compiler 'eager'", field="compiler"
-            )
         sd.shard_experts_(model)
         names = ExpertSet.discover(model).names
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        _compile_blocks(model, compiler)
         return DistributedDataParallel(model)
 
     def expert_grad_scale(self) -> float:
         return 1.0 / torch.distributed.get_world_size()
+
+    def total_norm(self, params: list[nn.Parameter], experts: set[int]) -> torch.Tensor:
+        from sonar_fx.distributed.reductions import expert_parallel_norm
+
+        dense = _grads_norm(p for p in params if id(p) not in experts)
+        own = _grads_norm(p for p in params if id(p) in experts)
+        return expert_parallel_norm(dense, own, torch.distributed.group.WORLD)  # type: ignore[arg-type]
+
+
+def _grads_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+
+def _compile_blocks(model: nn.Module, compiler: str) -> None:
+    """torch.compile each repeated block that holds experts (a baseline's per-block compile)."""
+    from sonar_fx.compiled import repeated_blocks
+
+    if compiler != "eager":
+        layers = ExpertSet.discover(model).layers
+        for _, block in repeated_blocks(model, [layer.name for layer in layers]):
+            block.compile(backend=compiler)
 
 
 SINGLE_PROCESS = SingleProcess()

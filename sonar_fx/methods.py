@@ -157,13 +157,17 @@ class GradClip:
     each: list[nn.Parameter] = field(default_factory=list)
     experts: list[nn.Parameter] = field(default_factory=list)
     expert_scale: float = 1.0
+    engine: Engine = SINGLE_PROCESS
+    """Whose global norm clips `together` (`Engine.total_norm`; expert parallelism combines ranks)."""
 
     @classmethod
-    def of(cls, method: Method, cfg: OptimizerConfig, split: Split, expert_scale: float = 1.0) -> GradClip:
+    def of(
+        cls, method: Method, cfg: OptimizerConfig, split: Split, engine: Engine = SINGLE_PROCESS
+    ) -> GradClip:
         clipped = method.clipped(cfg)
         together = {"all": split.params, "dense": split.dense_params, "none": []}[clipped]
         each = split.expert_params if cfg.clips and cfg.expert_clip == "per_tensor" else []
-        return cls(cfg.max_grad_norm, together, each, split.expert_params, expert_scale)
+        return cls(cfg.max_grad_norm, together, each, split.expert_params, engine.expert_grad_scale(), engine)
 
     def apply_(self) -> None:
         if self.expert_scale != 1.0:
@@ -173,7 +177,9 @@ class GradClip:
         if self.max_norm is None:
             return
         if self.together:
-            torch.nn.utils.clip_grad_norm_(self.together, self.max_norm)
+            # get_total_norm + clip_grads_with_norm_ is clip_grad_norm_ (the same calls, the same bits).
+            norm = self.engine.total_norm(self.together, {id(p) for p in self.experts})
+            torch.nn.utils.clip_grads_with_norm_(self.together, self.max_norm, norm)
         for p in self.each:
             if p.grad is not None:
                 torch.nn.utils.clip_grad_norm_([p], self.max_norm)
@@ -272,7 +278,7 @@ def build_method(
     expert_optimizer = (
         rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if low_bit else None
     )
-    clip = GradClip.of(kind, cfg, split, engine.expert_grad_scale())
+    clip = GradClip.of(kind, cfg, split, engine)
     return TrainingMethod(kind, execution, run, optimizer, clip, expert_optimizer=expert_optimizer)
 
 

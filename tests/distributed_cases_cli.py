@@ -39,20 +39,28 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+CLIPS = {
+    "ddp": [],
+    "fsdp2": ["--expert-clip", "per_tensor", "--max-grad-norm", "0.05"],
+    "ep": ["--expert-clip", "global", "--max-grad-norm", "0.05"],
+}
+"""Each engine also runs an expert clip mode: its twin is the baseline that clips the same way."""
+
+
 def resume_is_exact(rank: int) -> dict[str, Any]:
     """Per engine: 4 steps straight vs 2 steps (--stop-after) then --resume; bitwise equal weights; and
-    Sonar equals the dense-only-clip baseline built on the same engine, through the whole trainer."""
+    Sonar equals the baseline that clips as it does, built on the same engine, through the whole trainer."""
     root = _folder()
     seen: dict[str, Any] = {}
-    for engine in ("ddp", "fsdp2", "ep"):
+    for engine, clip in CLIPS.items():
         sharded = engine != "ddp"
         straight, resumed = root / f"{engine}-straight", root / f"{engine}-resumed"
         codes = [
-            _finetune(straight, "--parallel", engine),
-            _finetune(resumed, "--parallel", engine, "--stop-after", "2"),
+            _finetune(straight, "--parallel", engine, *clip),
+            _finetune(resumed, "--parallel", engine, *clip, "--stop-after", "2"),
         ]
         at_2 = _weights(resumed, rank, sharded)
-        codes.append(_finetune(resumed, "--parallel", engine, "--resume"))
+        codes.append(_finetune(resumed, "--parallel", engine, *clip, "--resume"))
         final = _weights(resumed, rank, sharded)
         seen[engine] = {
             "codes": codes,
@@ -61,9 +69,9 @@ def resume_is_exact(rank: int) -> dict[str, Any]:
             "files": sorted(p.name for p in straight.iterdir() if not p.name.startswith(".")),
         }
         baseline = root / f"{engine}-baseline"
-        seen[engine]["baseline_code"] = _finetune(
-            baseline, "--parallel", engine, "--method", "standard_no_expert_clip"
+        twin = "standard" if "global" in clip else "standard_no_expert_clip"
+        seen[engine]["baseline_code"] = _finetune(baseline, "--parallel", engine, *clip, "--method", twin)
+        seen[engine]["vs_baseline"] = _same(
+            _weights(straight, rank, sharded), _weights(baseline, rank, sharded)
         )
-        twin = _weights(baseline, rank, sharded)
-        seen[engine]["vs_baseline"] = _same(_weights(straight, rank, sharded), twin)
     return seen

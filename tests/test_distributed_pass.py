@@ -124,13 +124,12 @@ def test_engines_need_a_process_group(engine):
 @pytest.mark.parametrize(
     "engine, method, execution, cfg, field",
     [
-        (ExpertParallelEngine(), "standard", Execution(), CFG, "method"),
+        (ExpertParallelEngine(), "oib_all", Execution(), CFG, "method"),
         (DDPEngine(), "sonar_per_expert", Execution(), CFG, "method"),
-        (ExpertParallelEngine(), "sonar", Execution(compiler="aot_eager"), CFG, "compiler"),
         (FSDP2Engine(), "sonar", Execution(compiler="aot_eager", sonar_pass=False), CFG, "sonar_pass"),
-        (DDPEngine(), "sonar", Execution(), sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits"),
-        (DDPEngine(), "standard_no_expert_clip", Execution(),
-         sonar_fx.AdamWConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="per_tensor"), "expert_clip"),
+        (FSDP2Engine(), "sonar", Execution(), sonar_fx.AdamWConfig(lr=1e-3, state_bits=4), "state_bits"),
+        (FSDP2Engine(), "standard_no_expert_clip", Execution(), sonar_fx.AdamWConfig(lr=1e-3, state_bits=4),
+         "state_bits"),
     ],
 )  # fmt: skip
 def test_an_engine_refuses_what_it_does_not_run_before_building(engine, method, execution, cfg, field):
@@ -142,26 +141,32 @@ def test_an_engine_refuses_what_it_does_not_run_before_building(engine, method, 
     build_method(method, model, cfg, execution=execution, engine=SINGLE_PROCESS)  # one process runs it
 
 
+def test_fsdp2_refuses_4bit_states_naming_why_and_what_runs():
+    with pytest.raises(
+        sonar_fx.SonarUsageError, match=r"state_bits=4 .*torchao.*state_bits=8 there, or 4 on ddp or ep"
+    ):
+        sonar_fx.prepare(
+            build_model("tiny-reference", seed=0),
+            sonar_fx.AdamWConfig(lr=1e-3, state_bits=4),
+            distributed=ShardedGrads(),
+        )
+
+
 @pytest.mark.parametrize(
-    "cfg, match",
+    "flags, refused",
     [
-        (sonar_fx.AdamWConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="global"), "expert_clip='global'"),
-        (
-            sonar_fx.SGDConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="per_tensor"),
-            "expert_clip='per_tensor'",
-        ),
-        (sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits=8"),
+        (dict(parallel="fsdp2", state_bits=4), True),
+        (dict(parallel="ddp", state_bits=4), False),
+        (dict(parallel="fsdp2", state_bits=8, expert_clip="global"), False),
+        (dict(parallel="ep", expert_clip="per_tensor"), False),
     ],
 )
-def test_engines_refuse_what_they_do_not_support(cfg, match):
-    with pytest.raises(sonar_fx.SonarUsageError, match=match):
-        sonar_fx.prepare(build_model("tiny-reference", seed=0), cfg, distributed=ShardedGrads())
-
-
-@pytest.mark.parametrize("flags", [dict(expert_clip="per_tensor"), dict(state_bits=8)])
-def test_cli_engines_refuse_clip_and_state_flags(flags):
+def test_cli_parallel_takes_clip_and_state_flags_but_4bit_shards(flags, refused):
     from sonar_fx.trainer.config import ConfigError, TrainConfig
     from sonar_fx.trainer.validate import optimizer_config
 
-    with pytest.raises(ConfigError, match="not supported on the ddp engine"):
-        optimizer_config(TrainConfig(parallel="ddp", **flags), 1e-3)
+    if not refused:
+        assert optimizer_config(TrainConfig(**flags), 1e-3).expert_clip == flags.get("expert_clip")
+        return
+    with pytest.raises(ConfigError, match="state_bits=4 is not supported on the fsdp2 engine"):
+        optimizer_config(TrainConfig(**flags), 1e-3)

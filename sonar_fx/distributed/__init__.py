@@ -3,6 +3,7 @@
     model = sonar_fx.distributed.ddp(model, cfg)                  # DDP; compiler="aot_eager"/"inductor"
     model = sonar_fx.distributed.fsdp2(model, cfg)                # FSDP2, experts in their own group
     model = sonar_fx.distributed.expert_parallel(model, cfg)      # experts sharded E/world per rank
+    model = sonar_fx.distributed.fsdp2_ep(model, cfg, mesh=mesh)  # 2-D: experts E/ep x FSDP2 over dp
     opt = model.sonar
 
 Each call sets the engine up so that an expert gradient reaches its in-backward update already
@@ -19,6 +20,7 @@ from sonar_fx.distributed.expert_parallel import (
     shard_experts_,
 )
 from sonar_fx.distributed.fsdp import fsdp2, fully_shard_experts, load_state, save_state, shared_groups
+from sonar_fx.distributed.fsdp_ep import fsdp2_ep, shard_fsdp2_ep
 from sonar_fx.distributed.reductions import AsyncMeanAllReduce, LocalExperts, MeanAllReduce, ShardedGrads
 
 __all__ = [
@@ -34,9 +36,11 @@ __all__ = [
     "expert_names",
     "expert_parallel",
     "fsdp2",
+    "fsdp2_ep",
     "fully_shard_experts",
     "load_state",
     "save_state",
     "shard_experts_",
+    "shard_fsdp2_ep",
     "shared_groups",
 ]

@@ -72,6 +72,7 @@ def ddp(
     broadcast_experts_(optimizer, group)
     wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
     wrapped.__dict__["sonar"] = optimizer
+    reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     return wrapped
 
 

@@ -56,6 +56,7 @@ class Routing:
     group: dist.ProcessGroup
 
 
+@torch.compiler.disable  # data-dependent splits and collectives: runs between a block's graphs
 def dispatch(
     hidden_Td: Tensor, index_Tk: Tensor, num_experts: int, group: dist.ProcessGroup
 ) -> tuple[Tensor, Routing]:
@@ -79,6 +80,7 @@ def dispatch(
     return x_Rd[perm_R], Routing(perm_S, send, recv, perm_R, offs_El, group)
 
 
+@torch.compiler.disable
 def combine(y_Rd: Tensor, routing: Routing, weights_Tk: Tensor) -> Tensor:
     """Bring results (R, d) back to the slots' ranks and sum each token's k results by weight."""
     t, k = weights_Tk.shape
@@ -180,22 +182,33 @@ def expert_parallel(
     model: nn.Module,
     opt_cfg: OptimizerConfig,
     *,
+    compiler: api.Compiler = "eager",
     process_group: dist.ProcessGroup | None = None,
     shard: bool = True,
     experts: Iterable[nn.Parameter | str] | None = None,
     nonfinite: NonFinite = "raise",
+    fallback: bool = True,
     ddp_kwargs: dict[str, Any] | None = None,
+    **torch_compile_kwargs: Any,
 ) -> DistributedDataParallel:
     """Shard the experts over ranks (`shard_experts_`, unless `shard=False`: the experts are sharded
-    already and named by `experts=`), prepare Sonar with the 1/world scale, and wrap the dense
-    parameters in DDP (experts ignored). Eager only. The optimizer is `wrapped.sonar`."""
+    already and named by `experts=`), set Sonar up with the 1/world scale, and wrap the dense
+    parameters in DDP (experts ignored). The optimizer is `wrapped.sonar`.
+
+    `compiler` "aot_eager" / "inductor" compiles each block: the all-to-alls run between its graphs
+    (`dispatch` and `combine` are never traced: their splits are data), and the graph of the local
+    experts updates each one in its backward, where its gradient is already final on this rank."""
     group = require_process_group("sonar_fx.distributed.expert_parallel", process_group)
     if shard:
         shard_experts_(model, group)
-    optimizer = api.prepare(
-        model, opt_cfg, experts=experts, nonfinite=nonfinite, distributed=LocalExperts(group)
-    )
+    reduction = LocalExperts(group)
+    model = api.compile(
+        model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
+        regional=compiler != "eager", distributed=reduction, **torch_compile_kwargs,
+    )  # fmt: skip
+    optimizer = api.sonar_of(model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names(optimizer))
     wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
     wrapped.__dict__["sonar"] = optimizer
+    reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     return wrapped

@@ -14,6 +14,7 @@ Never: reshard, move or cast a parameter other than through `fully_shard`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -29,6 +30,7 @@ from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.reductions import ShardedGrads
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
 from sonar_fx.optim.reduction import require_process_group
@@ -68,11 +70,35 @@ def fsdp2(
     if not isinstance(model, FSDPModule):
         fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
     warn_unless_own_groups(model, ExpertSet.discover(model, experts))
+    reduction = ShardedGrads(
+        world_size=dist.get_world_size(), unsharded=functools.partial(unsharded_params, model)
+    )
     return api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
-        regional=compiler != "eager", distributed=ShardedGrads(world_size=dist.get_world_size()),
-        **torch_compile_kwargs,
+        regional=compiler != "eager", distributed=reduction, **torch_compile_kwargs,
     )  # fmt: skip
+
+
+def unsharded_params(model: nn.Module, params: list[Tensor]) -> list[Tensor]:
+    """The unsharded parameter FSDP2 computes with for each sharded one of `params` (a parameter FSDP2
+    keeps across steps, re-filled by each all-gather; it exists after the first forward). Autograd
+    reaches these, never the sharded ones, whose gradients FSDP2 sets after its reduce-scatter."""
+    by_id = {
+        id(fsdp_param.sharded_param): fsdp_param
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+    }
+    missing = [
+        i for i, p in enumerate(params) if id(p) not in by_id or not hasattr(by_id[id(p)], "_unsharded_param")
+    ]
+    if missing:
+        raise SonarUsageError(
+            f"{len(missing)} expert tensor(s) are not FSDP2 parameters that have run a forward: expert_clip="
+            "'global' replays the forward of sharded experts only (shard them with fully_shard_experts)."
+        )
+    return [by_id[id(p)].unsharded_param for p in params]
 
 
 def shared_groups(model: nn.Module, experts: ExpertSet) -> dict[str, list[str]]:

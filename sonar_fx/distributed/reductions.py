@@ -18,16 +18,22 @@ Nothing here decides which tensors are experts or builds an engine; see `ddp`, `
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim.norms import plain, total_norm
 from sonar_fx.optim.reduction import Update
 from sonar_fx.passes.reduce_grads import GraphReduce
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -46,6 +52,43 @@ def any_rank(local: bool, group: dist.ProcessGroup | None = None) -> bool:
     return bool(flag.item())
 
 
+def norm_over_ranks(norm: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The norm of tensors spread over the ranks of `group`, from each rank's norm of its own: x^2,
+    all-reduce (sum), x^(1/2), DTensor's reduction of a partial norm (`_NormPartial`), so that it
+    rounds as a DTensor's `full_tensor()` does."""
+    squares = norm**2
+    dist.all_reduce(squares, group=group)
+    return squares ** (1.0 / 2)
+
+
+def expert_parallel_norm(dense: Tensor, own_experts: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The global gradient norm under expert parallelism, as torchtitan clips it: the dense norm (the
+    same on every rank) and the norm of every rank's experts (each rank's own, combined over `group`),
+    summed as p-th powers. Every rank of `group` calls it at the same point."""
+    experts = norm_over_ranks(own_experts, group)
+    return (experts**2 + dense**2) ** (1.0 / 2)
+
+
+def split_norms(norms: Sequence[Tensor], experts: Sequence[bool]) -> tuple[Tensor, Tensor]:
+    """The total norm of the dense tensors' norms and of the experts' (each in parameter order)."""
+    dense = total_norm([n for n, e in zip(norms, experts, strict=True) if not e])
+    return dense, total_norm([n for n, e in zip(norms, experts, strict=True) if e])
+
+
+@contextmanager
+def without_reducer(wrapper: DistributedDataParallel | None, experts: list[Tensor]) -> Iterator[list[Tensor]]:
+    """Pass 2 of expert_clip="global" under DDP: `no_sync`, so that its forward leaves the reducer
+    unprepared; an expert-only backward would otherwise leave DDP waiting for dense gradients that
+    never come (the next forward raises). Dense gradients are pass 1's, reduced already."""
+    if wrapper is None:
+        raise SonarUsageError(
+            "expert_clip='global' under DDP needs the DDP wrapper of the model, which sonar_fx.distributed."
+            "ddp / expert_parallel record: build the model with them rather than a reduction by hand."
+        )
+    with wrapper.no_sync():
+        yield experts
+
+
 @dataclass
 class MeanAllReduce:
     """DDP: `grad * (1/world)`, all-reduce sum over `group`, update (see the module docstring)."""
@@ -55,6 +98,8 @@ class MeanAllReduce:
     in_graph: Literal["update", "all_reduce", "hooks"] = "all_reduce"
     reduced_here: int = 0
     """Gradients this object all-reduced itself (hooks, or graphs compiled without the all-reduce)."""
+    wrapper: DistributedDataParallel | None = None
+    """The DDP module of the dense parameters (set by `sonar_fx.distributed.ddp`), for `replay`."""
 
     @property
     def world_size(self) -> int:
@@ -78,6 +123,12 @@ class MeanAllReduce:
     def any_rank(self, local: bool) -> bool:
         # Every expert and dense gradient is averaged before use, so every rank sees the same flags.
         return local
+
+    def global_norm(self, norms: Sequence[Tensor], experts: Sequence[bool]) -> Tensor:
+        return total_norm(norms)  # every gradient is averaged: as in one process
+
+    def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
+        return without_reducer(self.wrapper, experts)
 
     def live_grads(self) -> list[Tensor]:
         """Expert gradients held between their reduction and their update (memory accounting)."""
@@ -159,6 +210,12 @@ class ShardedGrads:
     in_graph: Literal["update", "all_reduce", "hooks"] = "hooks"
     group_name: str | None = None
     world_size: int = 1
+    unsharded: Callable[[list[Tensor]], list[Tensor]] | None = None
+    """Sharded expert parameters -> the unsharded ones FSDP2 computes with (set by `fsdp2`): pass 2 of
+    expert_clip="global" differentiates those (autograd never reaches a sharded parameter)."""
+    expert_group: dist.ProcessGroup | None = None
+    """2-D layouts: the group over which ranks hold different experts (expert parallelism beside
+    FSDP2), which every rank-dependent decision spans too; None: FSDP2 alone."""
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
         if path != "hook" or reduced:
@@ -171,8 +228,24 @@ class ShardedGrads:
         update(grad)
 
     def any_rank(self, local: bool) -> bool:
+        if self.expert_group is not None:  # other ranks hold other experts: ask all of them
+            return any_rank(local)
         # Shard flags come from DTensor reductions and the dense norm is global: the same on every rank.
         return local
+
+    def global_norm(self, norms: Sequence[Tensor], experts: Sequence[bool]) -> Tensor:
+        if self.expert_group is None:
+            return plain(total_norm(norms))  # DTensor partial norms, reduced as clip_grad_norm_ does
+        dense, own = split_norms(norms, experts)  # two meshes: dense over every rank, experts over dp
+        return expert_parallel_norm(plain(dense), plain(own), self.expert_group)
+
+    def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
+        if self.unsharded is None:
+            raise SonarUsageError(
+                "expert_clip='global' under FSDP2 differentiates the unsharded expert parameters, which "
+                "sonar_fx.distributed.fsdp2 finds: build the model with it rather than a reduction by hand."
+            )
+        return nullcontext(self.unsharded(experts))
 
     def live_grads(self) -> list[Tensor]:
         return []
@@ -186,6 +259,8 @@ class LocalExperts:
     name: str = "ep"
     in_graph: Literal["update", "all_reduce", "hooks"] = "update"
     group_name: str | None = None
+    wrapper: DistributedDataParallel | None = None
+    """The DDP module of the dense parameters (set by `expert_parallel`), for `replay`."""
 
     @property
     def world_size(self) -> int:
@@ -204,6 +279,12 @@ class LocalExperts:
     def any_rank(self, local: bool) -> bool:
         # Each rank holds different experts: one rank's non-finite gradient must stop every rank.
         return any_rank(local, self.group)
+
+    def global_norm(self, norms: Sequence[Tensor], experts: Sequence[bool]) -> Tensor:
+        return expert_parallel_norm(*split_norms(norms, experts), self.group)
+
+    def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
+        return without_reducer(self.wrapper, experts)
 
     def live_grads(self) -> list[Tensor]:
         return []

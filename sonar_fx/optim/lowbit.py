@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._C import DispatchKey
 
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.adamw import grad_like_param
@@ -69,10 +70,27 @@ class LowBitAdamRule(UpdateRule):
         state["exp_avg_sq"] = self._new_buffer(param, signed=False)
 
     def _new_buffer(self, param: Tensor, *, signed: bool) -> Tensor:
+        # As torchao's _AdamBase._new_buffer: an FSDP2 shard (DTensor) quantizes its local tensor by
+        # the local size, and the state is a DTensor over the same mesh and placements.
+        from torch.distributed.tensor import DTensor  # only FSDP2 shards are DTensors
+
+        local = param.to_local() if isinstance(param, DTensor) else param
         block = BLOCK_SIZE[self.bits]
-        if param.numel() >= MIN_QUANTIZED and param.numel() % block == 0:
-            return self.torchao_class._subclass_zeros(param, signed, block)
-        return torch.zeros_like(param)
+        if local.numel() >= MIN_QUANTIZED and local.numel() % block == 0:
+            out = self.torchao_class._subclass_zeros(local, signed, block)
+        else:
+            out = torch.zeros_like(local)
+        if not isinstance(param, DTensor):
+            return out
+        wrapped = DTensor.from_local(
+            out,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+        return wrapped.to(param.device)
 
     def update_(
         self,
@@ -88,7 +106,7 @@ class LowBitAdamRule(UpdateRule):
             return
         lr = torch.tensor(group["lr"], dtype=torch.float32)  # what torchao's param group holds
         compiled = torch.compile(self.single_param_adam, fullgraph=True, dynamic=False)
-        with torch._dynamo.utils.disable_cache_limit():
+        with torch._dynamo.utils.disable_cache_limit(), _above_autograd():
             for p, g, s in zip(params, grads, states, strict=True):
                 s["step"] += 1
                 compiled(
@@ -104,6 +122,21 @@ class LowBitAdamRule(UpdateRule):
 
     def torch_optimizer(self, params: Sequence[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
         return self.torchao_class(list(params), **self.defaults(cfg))
+
+
+def _above_autograd() -> Any:
+    """Dispatch as outside any op: the in-graph update runs inside a custom op, below autograd (its
+    keys excluded), where a torchao state's `.float()` is not decomposed for the subclass and its
+    compile fails ("OptimState8bit dispatch: ... aten.to.dtype"). The update runs under no_grad, so
+    nothing is recorded."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (
+        DispatchKey.AutogradFunctionality,
+        DispatchKey.AutogradOther,
+        DispatchKey.AutogradNestedTensor,
+    ):
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
 def is_lowbit(t: object) -> bool:

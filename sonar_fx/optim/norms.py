@@ -66,6 +66,10 @@ class StepNorms:
 
     experts: dict[str, Tensor] = field(default_factory=dict)
     """Expert tensor name -> its gradient's norm (before clipping)."""
+    partial: dict[str, Tensor] = field(default_factory=dict)
+    """Expert tensor name -> its norm as torch's clipping computes it from a shard (an FSDP2 DTensor,
+    partial over ranks), where that differs from the whole tensor's norm in `experts`: clipping
+    combines these, as `clip_grad_norm_` does, so that it rounds the same way."""
     dense: Tensor | None = None
     """Global norm of the dense gradients (before clipping)."""
     total: Tensor | None = None
@@ -109,8 +113,15 @@ class ExpertClipper:
             return self.current.experts[name]
         if self.mode is None and not self.track_norms:
             return None
-        norm = self.current.experts[name] = plain(tensor_norm(grad))
+        raw = tensor_norm(grad)
+        norm = self.current.experts[name] = plain(raw)
+        if norm is not raw:
+            self.current.partial[name] = raw
         return norm
+
+    def clip_norm(self, name: str) -> Tensor:
+        """The norm a clip of `name`'s gradient computes with: its shard's (partial) norm, if any."""
+        return self.current.partial.get(name, self.current.experts[name])
 
     def clip(self, name: str, grad: Tensor, owned: bool) -> Tensor:
         """`grad` clipped as the mode says, by the norm `norm_of` recorded (a new tensor unless
@@ -118,10 +129,11 @@ class ExpertClipper:
         if self.backward_pass == "update":
             assert self.coef is not None
             return scaled(grad, owned, self.coef)
-        norm = self.current.experts.get(name)
-        if self.mode == "per_tensor" and self.max_norm is not None and norm is not None:
-            # clip_grad_norm_([p]): the "global" norm of one tensor is the norm of its norm.
-            return scaled(grad, owned, clip_coefficient(total_norm([norm]), self.max_norm))
+        if self.mode == "per_tensor" and self.max_norm is not None and name in self.current.experts:
+            # clip_grad_norm_([p]): the "global" norm of one tensor is the norm of its norm (a shard's
+            # partial norm is reduced over ranks after that step, as DTensor's clip reduces it).
+            norm = plain(total_norm([self.clip_norm(name)]))
+            return scaled(grad, owned, clip_coefficient(norm, self.max_norm))
         return grad
 
     def end_step(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
@@ -349,8 +350,10 @@ class SonarOptimizer(torch.optim.Optimizer):
             return first.detach()
         _set_rng_state(rng)  # pass 2 draws what pass 1 drew (dropout): the same forward, bit for bit
         self.clipper.backward_pass = "update"
+        replay = nullcontext(experts) if self.distributed is None else self.distributed.replay(experts)
         try:
-            torch.autograd.backward(loss(), inputs=experts)
+            with replay as inputs:  # an engine's own setting for pass 2 (DDP: its reducer left out)
+                torch.autograd.backward(loss(), inputs=inputs)
         finally:
             self.clipper.backward_pass = None
         return first.detach()
@@ -365,12 +368,17 @@ class SonarOptimizer(torch.optim.Optimizer):
         by_param: dict[int, Tensor] = {id(p): n for p, n in zip(dense, dense_norms, strict=True)}
         names = {name: pid for pid, name in self._names.items()}
         experts = [p for p in self.expert_group["params"] if self._names[id(p)] in norms.experts]
-        by_param.update({names[n]: norm for n, norm in norms.experts.items()})
+        by_param.update({names[n]: self.clipper.clip_norm(n) for n in norms.experts})
         flat = [*self.dense_group["params"], *self.expert_group["params"]]
         rank = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
-        ordered = [by_param[pid] for pid in sorted(by_param, key=rank.__getitem__)]
-        norms.total = total_norm(ordered)
-        norms.dense = total_norm(list(dense_norms)) if dense_norms else None
+        in_order = sorted(by_param, key=rank.__getitem__)
+        ordered = [by_param[pid] for pid in in_order]
+        if self.distributed is None:
+            norms.total = total_norm(ordered)
+        else:  # the engine's reduction of the norms (FSDP2 shards, each rank's own experts)
+            is_expert = [pid in names.values() for pid in in_order]
+            norms.total = self.distributed.global_norm(ordered, is_expert)
+        norms.dense = plain(total_norm(list(dense_norms))) if dense_norms else None
         assert self.cfg.max_grad_norm is not None  # the config refuses "global" without a threshold
         self.clipper.coef = clip_coefficient(norms.total, self.cfg.max_grad_norm)
         if self.nonfinite == "ignore" or bool(torch.isfinite(norms.total)):  # one sync per step

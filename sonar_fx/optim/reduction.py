@@ -13,7 +13,8 @@ torch.distributed whether a group runs; it never communicates and never updates 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
@@ -56,6 +57,19 @@ class GradReduction(Protocol):
     def any_rank(self, local: bool) -> bool:
         """Whether `local` holds on any rank (every rank calls it at the same point), so that a
         non-finite gradient stops or skips the step on every rank alike."""
+        ...
+
+    def global_norm(self, norms: Sequence[Tensor], experts: Sequence[bool]) -> Tensor:
+        """expert_clip="global": the norm of every gradient of the step as the engine's standard
+        training clips it, from the per-tensor norms in parameter order (`experts[i]`: norm i is an
+        expert tensor's). A norm may be a DTensor (an FSDP2 shard's: partial over ranks); the result
+        is a plain 0-d tensor, the same on every rank. Every rank calls it at the same point."""
+        ...
+
+    def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
+        """expert_clip="global", pass 2: a context around the replayed forward and the expert-only
+        backward that keeps the engine consistent (DDP: no reducer expecting dense gradients), giving
+        the tensors that backward differentiates (`experts`, or the engine's unsharded views of them)."""
         ...
 
 

@@ -71,8 +71,12 @@ def fused_sgd_(
 
 
 def fused_kernel_works(params: Sequence[Tensor]) -> bool:
-    """Whether `torch._fused_sgd_` updates these tensors (see the module docstring)."""
-    return not any(p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    """Whether `torch._fused_sgd_` updates these tensors (see the module docstring); DTensors (FSDP2
+    shards) take foreach SGD too: the fused kernel has no DTensor sharding strategy (torch 2.13)."""
+    return not any(
+        (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)) or hasattr(p, "device_mesh")
+        for p in params
+    )
 
 
 def torch_sgd(params: Sequence[Any], **hyper: Any) -> torch.optim.SGD:
