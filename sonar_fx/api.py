@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from sonar_fx.compiled import compile_forward_, repeated_blocks
-from sonar_fx.config import OPTIMIZER_CONFIGS, OptimizerConfig
+from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
+from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
 from sonar_fx.optim.reduction import GradReduction
 
@@ -44,10 +45,10 @@ def prepare(
     `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
-            f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig or LionConfig, got "
+            f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig, LionConfig or MuonConfig, got "
             f"{type(opt_cfg).__name__}. Sonar updates each expert tensor alone during backward, which is "
-            "exact only for an element-wise optimizer: build one, e.g. sonar_fx.AdamWConfig(lr=..., "
-            "betas=..., weight_decay=..., max_grad_norm=...)."
+            "exact only for an optimizer whose update of a tensor needs that tensor's gradient alone: build "
+            "one, e.g. sonar_fx.AdamWConfig(lr=..., betas=..., weight_decay=..., max_grad_norm=...)."
         )
     if getattr(model, "sonar", None) is not None:
         raise SonarUsageError(
@@ -71,6 +72,7 @@ def prepare(
     optimizer = SonarOptimizer(
         [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in dense], param_order=[p for _, p in trainable],
+        matrices=matrix_params(opt_cfg, model, layers),
     )  # fmt: skip
     optimizer.distributed = distributed
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
@@ -173,12 +175,24 @@ def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradRedu
             f"expert_clip={opt_cfg.expert_clip!r} is not supported with sonar_fx.distributed "
             f"({distributed.name}): train with expert_clip=None (dense gradients clipped, as in the paper)."
         )
+    if isinstance(opt_cfg, MuonConfig) and distributed.name == "fsdp2":
+        raise SonarUsageError(refuse_sharded_matrices_message())
     state_bits = getattr(opt_cfg, "state_bits", 32)
     if state_bits != 32:
         raise SonarUsageError(
             f"state_bits={state_bits} is not supported with sonar_fx.distributed "
             f"({distributed.name}): train with state_bits=32."
         )
+
+
+def refuse_sharded_matrices_message() -> str:
+    """Why Muon does not run on FSDP2, and what to use instead (one message for every place that refuses)."""
+    return (
+        "MuonConfig with FSDP2: Muon orthogonalises each whole matrix, but FSDP2 hands every rank a "
+        "Shard(0) slice of each dense hidden matrix at step() (its expert shards are whole expert "
+        "matrices, the dense ones are not), and gathering them would undo the sharding. Train Muon with "
+        "sonar_fx.distributed.ddp or expert_parallel (their gradients are whole), or AdamWConfig on FSDP2."
+    )
 
 
 def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:

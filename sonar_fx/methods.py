@@ -8,8 +8,9 @@ like with like:
   expert_clip=None), and each expert gradient by its own norm under expert_clip="per_tensor";
 - oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
 - sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
-The optimizer is the config's (AdamW, Adam, SGD, Lion): baselines use torch's fused optimizer for it
-(`UpdateRule.torch_optimizer`; Lion: the reference `LionRef`; low-bit expert states: torchao's).
+The optimizer is the config's (AdamW, Adam, SGD, Lion, Muon): baselines use torch's fused optimizer for
+it (`rules.end_of_step_optimizer`; Lion: the reference `LionRef`; low-bit expert states: torchao's;
+Muon: `MuonTwin`, torch.optim.Muon per matrix and fused AdamW for the rest).
 How a method runs is one `Execution`: compiler "eager", or "aot_eager" / "inductor" through
 torch.compile; for sonar under a compiler, `sonar_pass=False` keeps the hooks on the compiled model
 instead of the graph pass. Never: change a method's arithmetic with the execution mode.
@@ -27,8 +28,9 @@ from torch import Tensor, nn
 from sonar_fx import api
 from sonar_fx.config import ConfigFieldError, OptimizerConfig
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, discover_experts
+from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
-from sonar_fx.optim.rules import rule_for
+from sonar_fx.optim.rules import end_of_step_optimizer, rule_for
 
 METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar", "sonar_per_expert")
 
@@ -160,15 +162,17 @@ def build_method(
         return TrainingMethod(name, execution, run, optimizer)
     run = _compiled(model, execution.compiler) if execution.compiled else model
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "oib_all":
-        return TrainingMethod(name, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
     biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
     layers = discover_experts(model, experts, expert_biases=biases)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
     dense = [p for p in params if id(p) not in expert_ids]
     expert_params = [p for p in params if id(p) in expert_ids]
+    matrices = [*matrix_params(cfg, model, layers), *expert_params]  # a matrix rule's tensors (Muon)
+    if name == "oib_all":
+        hooked = _hook_every_param(params, cfg, matrices)
+        return TrainingMethod(name, execution, run, None, hook_optimizers=hooked)
     split = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
-    baseline = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
+    baseline = end_of_step_optimizer(cfg, dense if split else params, matrices=matrices)
     expert_optimizer = rule_for(cfg, experts=True).torch_optimizer(expert_params, cfg) if split else None
     clip = params if name == "standard" else dense
     per_tensor = expert_params if cfg.expert_clip == "per_tensor" and cfg.clips else []
@@ -212,9 +216,10 @@ def _compiled(model: nn.Module, compiler: str) -> Callable[..., Any]:
     return torch.compile(model, backend=compiler)
 
 
-def _hook_every_param(params: list[nn.Parameter], cfg: OptimizerConfig) -> dict[int, torch.optim.Optimizer]:
-    rule = rule_for(cfg)
-    optimizers: dict[int, torch.optim.Optimizer] = {id(p): rule.torch_optimizer([p], cfg) for p in params}
+def _hook_every_param(
+    params: list[nn.Parameter], cfg: OptimizerConfig, matrices: list[nn.Parameter]
+) -> dict[int, torch.optim.Optimizer]:
+    optimizers = {id(p): end_of_step_optimizer(cfg, [p], matrices=matrices) for p in params}
 
     def step_and_free(p: Tensor) -> None:
         optimizers[id(p)].step()

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
-from sonar_fx.config import OptimizerConfig
+from sonar_fx.config import MuonConfig, OptimizerConfig
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.experts.discovery import ExpertLayer, discover_experts
+from sonar_fx.optim.errors import SonarUsageError
 from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
 
 
@@ -67,6 +68,8 @@ def fsdp2(
         raise RuntimeError(
             "sonar_fx.distributed.fsdp2 needs torch.distributed.init_process_group(...) first."
         )
+    if isinstance(opt_cfg, MuonConfig):  # refused before the model is sharded
+        raise SonarUsageError(api.refuse_sharded_matrices_message())
     if not isinstance(model, FSDPModule):
         fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
     warn_unless_own_groups(model, discover_experts(model, experts))

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim.adamw import grad_like_param
 
 State = dict[str, Any]
@@ -47,6 +48,10 @@ class UpdateRule(ABC):
     ) -> None:
         """Update every tensor of `params` with its gradient, in place; `found_inf` (0-d float32,
         1.0 = skip) leaves them all untouched without a host sync."""
+
+    def check_experts(self, layers: Sequence[ExpertLayer]) -> None:
+        """Refuse expert tensors this rule cannot update in backward, naming the fix (default: none)."""
+        return
 
     def update_slices_(
         self, param: Tensor, grad: Tensor, state: State, group: dict[str, Any], *, found_inf: Tensor | None
