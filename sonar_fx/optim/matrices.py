@@ -6,8 +6,10 @@ AdamW. A trainable dense (non-expert) parameter is a hidden matrix when it is 2-
 - the output head: the model's `get_output_embeddings()`, or, for a model without that method, an
   `nn.Linear` whose output width is an embedding's vocabulary (the logits layer), tied or not;
 - a router: a 2-D weight with E rows inside an MoE block (the module that owns an experts module of E
-  experts), outside the experts module itself: `mlp.gate.weight` (OLMoE, Qwen3-MoE, Mixtral),
-  `block_sparse_moe.router.layer.weight` (GraniteMoE), `mlp.router.weight` (the reference model).
+  experts; E also any expert count the experts module declares, e.g. the global count of an
+  expert-parallel module that holds E/world of them), outside the experts module itself:
+  `mlp.gate.weight` (OLMoE, Qwen3-MoE, Mixtral), `block_sparse_moe.router.layer.weight` (GraniteMoE),
+  `mlp.router.weight` (the reference model).
   Routers take AdamW unless `MuonConfig.routers="muon"`: they score experts against each other through
   a softmax, which is not a hidden linear map (recipes differ: Megatron-LM applies Muon unless told
   to skip routers; this default follows the AdamW-for-routers recipe).
@@ -24,6 +26,7 @@ from torch import nn
 
 from sonar_fx.config import MuonConfig, OptimizerConfig
 from sonar_fx.experts.discovery import ExpertLayer
+from sonar_fx.experts.structure import declared_counts
 
 Role = Literal["matrix", "router", "embedding", "head", "other"]
 
@@ -87,8 +90,9 @@ def _routers(model: nn.Module, layers: Sequence[ExpertLayer]) -> list[nn.Paramet
         if not experts_name:
             continue  # experts at the root: no block around them
         block = model.get_submodule(block_name)
+        counts = declared_counts(block.get_submodule(experts_name)) | {layer.num_experts}
         for name, p in block.named_parameters():
             inside_experts = name.startswith(f"{experts_name}.")
-            if not inside_experts and p.dim() == 2 and p.shape[0] == layer.num_experts:
+            if not inside_experts and p.dim() == 2 and p.shape[0] in counts:
                 found.append(p)
     return found
