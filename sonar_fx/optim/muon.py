@@ -94,31 +94,40 @@ def muon_(
     found_inf: Tensor | None = None,
 ) -> None:
     """Muon on every tensor of `params` ((A, B) or (E, A, B)), in place. `found_inf` (0-d float32,
-    1.0 = skip) leaves weights and momentum untouched without a sync: the new values are selected
-    against the old on the device, so a non-finite gradient never reaches either."""
+    1.0 = skip) leaves weights and momentum untouched without a sync: a skipped tensor's gradient is
+    replaced by its momentum buffer (the buffer then lerps onto itself), its orthogonalised update is
+    multiplied by 0 and its decay factor is 1, all on the device; an update that is not skipped makes
+    the same calls on the same values, so it keeps its bits. Temporaries beyond the gradient: one
+    tensor in the parameter's dtype, its bf16 copy (fp32 parameters), the iteration's."""
     skip = None if found_inf is None else found_inf.to(torch.bool)
     ns: dict[str, Any] = dict(ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps)
     for p, grad, buf in zip(params, grads, momentum_buffers, strict=True):
         g = grad_like_param(p, grad)
-        new_buf = buf.lerp_(g, 1 - momentum) if skip is None else buf.lerp(g, 1 - momentum)
-        update = g.lerp(new_buf, momentum) if nesterov else new_buf
-        # The iteration's bf16 input: our own temporary as it is, a copy of anything else (the
-        # buffer); the fp32 temporary goes before the iteration's own temporaries arrive.
-        x = update.to(torch.bfloat16, copy=update is new_buf)
-        del update
+        owned = skip is not None
+        if owned:
+            g = torch.where(skip, buf, g)  # finite whatever the gradient held; ours to overwrite
+        buf.lerp_(g, 1 - momentum)
+        # Nesterov's update in place where the tensor is ours: one gradient-sized temporary fewer.
+        update = buf if not nesterov else g.lerp_(buf, momentum) if owned else g.lerp(buf, momentum)
+        # The iteration's bf16 input: our own temporary as it is, a copy of the buffer; the fp32
+        # temporary goes before the iteration's own temporaries arrive.
+        x = update.to(torch.bfloat16, copy=update is buf)
+        del update, g
         ortho = _newton_schulz_(x, **ns)
-        new_p = p.mul_(1 - lr * weight_decay) if skip is None else p * (1 - lr * weight_decay)
-        _add_per_matrix_(new_p, ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
-        if skip is not None:
-            p.copy_(torch.where(skip, p, new_p, out=new_p))
-            buf.copy_(torch.where(skip, buf, new_buf, out=new_buf))
+        if skip is None:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            ortho.mul_((~skip).to(ortho.dtype))
+            p.mul_(torch.where(skip, 1.0, 1 - lr * weight_decay))
+        _add_per_matrix_(p, ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
 
 
 def _add_per_matrix_(param: Tensor, ortho: Tensor, *, alpha: float) -> None:
     """`param += alpha * ortho`, as E per-matrix calls where one batched call would round differently:
     CPU's vectorized add of two bf16 tensors uses an FMA in its vector body and not in its scalar tail,
     so an element's bits depend on where the batch's loop (or a thread's chunk) ends. A mixed-dtype add
-    (fp32 weights) and CUDA's kernel compute every element alike: one call."""
+    (fp32 weights) computes every element alike: one call; so does CUDA's kernel, as far as we know
+    (unverified without a GPU; `granularity="per_expert"` is the per-matrix mode)."""
     if param.dim() == 2 or param.dtype != ortho.dtype or param.device.type != "cpu":
         param.add_(ortho, alpha=alpha)
         return

@@ -1,8 +1,9 @@
-"""The interface of an update rule: how one element-wise optimizer updates tensors.
+"""The interface of an update rule: how one optimizer updates tensors, each from its own gradient.
 
 A rule is small and stateless: the hyper-parameters its param groups carry, the state a tensor needs,
 the fused multi-tensor update, the per-expert ablation, and the end-of-step torch optimizer it must
-equal (its "twin"). The rules themselves live in `rules` (fp32 states) and `lowbit` (torchao states).
+equal (its "twin"). The rules themselves live in `rules` (fp32 states; Muon's math in `muon`) and
+`lowbit` (torchao states).
 Never: decide WHEN an update runs, or clip.
 """
 
