@@ -63,7 +63,8 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
         "",
         question(script),
         "",
-        f"`{data['command']}`: {env['date']}, {env['device']} on {env['host']} ({env['cores']} cores, "
+        f"`{data['command']}`: {env['date']}, {env.get('gpu') or env['device']} on {env['host']} "
+        f"({env['cores']} cores, "
         f"{env['threads']} torch threads, load {load}), torch {env['torch']}, transformers "
         f"{env['transformers']}.",
     ]

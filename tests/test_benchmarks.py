@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from benchmarks import common, compile_overhead, endurance, gpu, optimizers, readme
-from benchmarks.arms import Arm, ArmResult, Plan, run_arms
+from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table
 from benchmarks.memory_timeline import PHASES, profile_step, timeline
 from benchmarks.methods import shape_goals, table
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
+from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import side_by_side
 from sonar_fx.memory import ExpertGradBytes
+from sonar_fx.methods import Execution
 from sonar_fx.workload import make_batches
 
 
@@ -48,7 +50,7 @@ def expert_tensor_count(model) -> int:
 def test_run_arms_measures_eager_arms_interleaved_and_methods_table(one_thread):
     shape, w = SHAPES["olmoe-micro"], Workload(batch=2, seq=16)
     plan = Plan(warmup=1, rounds=3, held_out_batches=1)
-    arms = [Arm(method="standard", mode="eager"), Arm(method="sonar", mode="eager")]
+    arms = [Arm(method="standard"), Arm(method="sonar")]
     results = run_arms(
         lambda: shape.build(w.torch_dtype),
         arms,
@@ -71,18 +73,20 @@ def test_run_arms_measures_eager_arms_interleaved_and_methods_table(one_thread):
     assert "sonar · eager hooks" in rendered and f"{tensors} ({tensors} tensors by hook)" in rendered
 
 
-def _measured(method: str, mode: str, *, peak: int, step_s: list[float], predicted: int = 0) -> ArmResult:
-    arm = Arm(method=method, mode=mode)  # type: ignore[arg-type]
+def _measured(
+    method: str, execution: Execution, *, peak: int, step_s: list[float], predicted: int = 0
+) -> ArmResult:
+    arm = Arm(method=method, execution=execution)
     return ArmResult(
         label=arm.label, arm=arm, peak_bytes=peak, step_s=step_s, predicted_saving_bytes=predicted
     )
 
 
 def test_methods_goals_are_met_missed_or_not_measured_as_measured():
-    std_e = _measured("standard", "eager", peak=1000, step_s=[1.0, 1.0, 1.0])
-    std_c = _measured("standard", "compiled", peak=1000, step_s=[1.0, 1.0, 1.0])
-    sonar_e = _measured("sonar", "eager", peak=500, step_s=[0.8, 0.8, 0.8], predicted=500)  # saves 100%
-    sonar_p = _measured("sonar", "pass", peak=900, step_s=[0.9, 0.9, 0.9], predicted=500)  # saves 20%
+    std_e = _measured("standard", EAGER, peak=1000, step_s=[1.0, 1.0, 1.0])
+    std_c = _measured("standard", COMPILED, peak=1000, step_s=[1.0, 1.0, 1.0])
+    sonar_e = _measured("sonar", EAGER, peak=500, step_s=[0.8, 0.8, 0.8], predicted=500)  # saves 100%
+    sonar_p = _measured("sonar", COMPILED, peak=900, step_s=[0.9, 0.9, 0.9], predicted=500)  # saves 20%
     goals = {g.name.split(": ", 1)[1]: g for g in shape_goals("s", [std_e, std_c, sonar_e, sonar_p])}
     assert goals["memory saved, eager hooks"].met is True
     assert goals["memory saved, eager hooks"].measured == "100%"
@@ -90,7 +94,7 @@ def test_methods_goals_are_met_missed_or_not_measured_as_measured():
     assert goals["compiled pass vs compiled standard"].met is False  # 0.90x > 0.85x
     assert goals["compiled pass vs sonar eager hooks"].met is False  # 1.12x > 0.9x
     assert goals["compiled pass vs compiled standard_no_expert_clip"].met is None  # that arm did not run
-    faster = _measured("sonar", "pass", peak=500, step_s=[0.8, 0.8, 0.8], predicted=500)
+    faster = _measured("sonar", COMPILED, peak=500, step_s=[0.8, 0.8, 0.8], predicted=500)
     goals = {g.name.split(": ", 1)[1]: g for g in shape_goals("s", [std_c, faster])}
     assert (
         goals["compiled pass vs compiled standard"].met is True and goals["memory saved, compiled pass"].met
@@ -100,7 +104,7 @@ def test_methods_goals_are_met_missed_or_not_measured_as_measured():
 def test_a_failing_arm_is_reported_not_raised(one_thread):
     shape, w = SHAPES["olmoe-micro"], Workload(batch=2, seq=16)
     plan = Plan(warmup=1, rounds=1, held_out_batches=1)
-    bad = Arm(method="sonar", mode="eager", accumulation="bogus")
+    bad = Arm(method="sonar", accumulation="bogus")
     (result,) = run_arms(
         lambda: shape.build(w.torch_dtype),
         [bad],
@@ -118,7 +122,7 @@ def test_memory_timeline_shows_sonar_freeing_every_expert_gradient_in_backward(o
     grads = ExpertGradBytes.of(discover_experts(shape.build(torch.bfloat16)))
     lines = {}
     for method in ("standard", "sonar"):
-        run = Arm(method=method, mode="eager").build(shape.build(torch.bfloat16), AdamWConfig())
+        run = Arm(method=method).build(shape.build(torch.bfloat16), AdamWConfig())
         run.train_step(data[0])
         lines[method] = timeline(method, profile_step(run, data[1]))
     for line in lines.values():
@@ -189,7 +193,7 @@ def _fake_report(tmp_path, value: str, script: str = "methods") -> None:
     report = Report(
         script=script,
         command=f"python -m benchmarks.{script} --quick",
-        env=common.environment(),
+        env=Environment.now(),
         config={},
         tables=[Table(title="T", headers=["arm", "peak MiB"], rows=[["sonar", value]], note="a note")],
         goals=[Goal(name="g", target="t", measured=value, met=True)],

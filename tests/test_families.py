@@ -12,8 +12,8 @@ import torch
 
 import sonar_fx
 from benchmarks.families import batches, build_family, differing, run_twins, train
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.methods import build_method
-from sonar_fx.optim.optimizer import SonarUsageError
 
 from helpers import CFG
 

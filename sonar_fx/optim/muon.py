@@ -104,7 +104,7 @@ def muon_(
     for p, grad, buf in zip(params, grads, momentum_buffers, strict=True):
         g = grad_like_param(p, grad)
         owned = skip is not None
-        if owned:
+        if skip is not None:
             g = torch.where(skip, buf, g)  # finite whatever the gradient held; ours to overwrite
         buf.lerp_(g, 1 - momentum)
         # Nesterov's update in place where the tensor is ours: one gradient-sized temporary fewer.

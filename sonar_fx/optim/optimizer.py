@@ -24,10 +24,10 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.experts.discovery import ExpertLayer
+from sonar_fx.errors import NonFiniteGradientError, SonarUsageError
+from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import lowbit
 from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
-from sonar_fx.optim.errors import NonFiniteGradientError, SonarUsageError
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.rules import matrix_rule_for, rule_for
@@ -39,7 +39,7 @@ Granularity = Literal["batched", "per_expert"]
 NonFinite = Literal["raise", "skip", "ignore"]
 NONFINITE = ("raise", "skip", "ignore")
 
-__all__ = ["Accumulation", "Granularity", "NonFinite", "SonarOptimizer", "SonarUsageError"]
+__all__ = ["Accumulation", "Granularity", "NonFinite", "SonarOptimizer"]
 
 
 class SonarOptimizer(torch.optim.Optimizer):
@@ -56,12 +56,17 @@ class SonarOptimizer(torch.optim.Optimizer):
         nonfinite: NonFinite = "raise",
         dense_names: Sequence[str] | None = None,
         param_order: Sequence[nn.Parameter] | None = None,
+        compiler: str = "eager",
+        distributed: GradReduction | None = None,
         matrices: Sequence[nn.Parameter] = (),
     ) -> None:
         """`param_order`: every trainable parameter in the model's order (`model.parameters()`), the
         order in which expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model
-        would (default: dense, then experts). `matrices`: the dense tensors a config with a matrix rule
-        (Muon) updates as hidden matrices (`sonar_fx.optim.matrices.matrix_params`)."""
+        would (default: dense, then experts). `compiler`: what compiles the model's forward ("eager":
+        nothing; reported by `report()`). `distributed`: how expert gradients are reduced across ranks
+        before their update (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense
+        tensors a config with a matrix rule (Muon) updates as hidden matrices
+        (`sonar_fx.optim.matrices.matrix_params`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
@@ -75,14 +80,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.granularity = granularity
         self.accumulation = accumulation
         self.nonfinite = nonfinite
-        self.expert_layers = list(expert_layers)
+        self.experts = ExpertSet(tuple(expert_layers))
         self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
-        self.compiler = "eager"
-        self.distributed: GradReduction | None = None
-        """Reduces expert gradients across ranks before their update (None: one process); set by
-        `sonar_fx.distributed`."""
-        experts = [t.param for layer in expert_layers for t in layer.tensors]
+        self.compiler = compiler
+        self.distributed = distributed
+        experts = self.experts.params
         split = {id(p) for p in matrices} if self.matrix_rule is not None else set()
         groups = [
             dict(params=[p for p in dense_params if id(p) not in split], name="dense"),
@@ -106,8 +109,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._skip_flags: dict[str, Tensor] = {}
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
-        self._names = {id(t.param): t.name for layer in self.expert_layers for t in layer.tensors}
-        params = [t.param for layer in self.expert_layers for t in layer.tensors]
+        self._names = self.experts.names_by_id()
+        params = self.experts.params
         for p in params:
             registry.bind(p, self)
         handles = hooks.register_expert_hooks(params)
@@ -123,7 +126,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             "granularity",
             "accumulation",
             "nonfinite",
-            "expert_layers",
+            "experts",
             "dense_names",
             "stats",
         )
@@ -141,6 +144,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.matrix_rule = matrix_rule_for(cfg)
 
     # ------------------------------------------------------------------------------------ updates
+
+    @property
+    def expert_layers(self) -> list[ExpertLayer]:
+        return list(self.experts.layers)
 
     @property
     def dense_group(self) -> dict[str, Any]:

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim.adamw import fused_adamw_, grad_like_param
-from sonar_fx.optim.errors import SonarUsageError
 from sonar_fx.optim.lion import LionRef, lion_
 from sonar_fx.optim.lowbit import LowBitAdamRule
 from sonar_fx.optim.muon import MuonTwin, muon_, muon_defaults, muon_hyper
