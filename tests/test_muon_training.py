@@ -237,7 +237,7 @@ def test_cli_refuses_flags_muon_has_no_use_for(tmp_path, capsys, flags, blamed):
 
 def test_trainer_refuses_muon_on_fsdp2_before_anything_runs():
     with pytest.raises(
-        ConfigError, match=r"--parallel fsdp2 with --optimizer muon.*--parallel ddp or ep"
+        ConfigError, match=r"--parallel: MuonConfig with FSDP2.*--parallel ddp or ep"
     ) as err:
         optimizer_config(TrainConfig(optimizer="muon", parallel="fsdp2"), 1e-3)
     assert err.value.flag == "--parallel"

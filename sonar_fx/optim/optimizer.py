@@ -5,9 +5,8 @@ the global norm of the dense gradients), "experts" (updated one batched tensor a
 `update_expert_`, called from a hook or from the compiled graph, as soon as its gradient is ready) and,
 for a config that updates hidden matrices apart (Muon), "dense_matrices" (end-of-step, clipped with
 the other dense gradients). The arithmetic is an update rule chosen from the config type (AdamW, Adam,
-SGD, Lion, Muon; see `rules`),
-the clipping and gradient norms are `norms`'; `backward(closure)` runs the two passes that exact
-global clipping of expert gradients needs (expert_clip="global").
+SGD, Lion, Muon; see `rules`), the clipping and gradient norms are `norms`'; `backward(closure)` runs
+the two passes that exact global clipping of expert gradients needs (expert_clip="global").
 The optimizer binds its expert tensors to itself in the runtime registry (weakly), so whatever runs
 in backward finds it from the tensor at hand; a deep copy or an unpickled optimizer binds its own
 tensors. It never decides where updates run; the eager hooks and the graph pass do.

@@ -149,8 +149,10 @@ def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
 def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
     """A flag the chosen optimizer has no use for is refused, not silently dropped."""
     defaults = TrainConfig()
+    # What "not given" looks like: the default, or what `resolve` makes of it (0.0 and False, as before).
+    unset = {"momentum": (None, 0.0), "nesterov": (None, False)}
     for name in ("betas", "eps", "momentum", "dampening", "nesterov", "state_bits", "adjust_lr_fn"):
-        if name not in used and getattr(cfg, name) != getattr(defaults, name):
+        if name not in used and getattr(cfg, name) not in unset.get(name, (getattr(defaults, name),)):
             flag = flag_of(name)
             raise ConfigError(
                 f"{flag} does not apply to --optimizer {cfg.optimizer} (betas are Adam(W)'s, Lion's and "
