@@ -236,9 +236,7 @@ def test_cli_refuses_flags_muon_has_no_use_for(tmp_path, capsys, flags, blamed):
 
 
 def test_trainer_refuses_muon_on_fsdp2_before_anything_runs():
-    with pytest.raises(
-        ConfigError, match=r"--parallel: MuonConfig with FSDP2.*--parallel ddp or ep"
-    ) as err:
+    with pytest.raises(ConfigError, match=r"--parallel: MuonConfig with FSDP2.*--parallel ddp or ep") as err:
         optimizer_config(TrainConfig(optimizer="muon", parallel="fsdp2"), 1e-3)
     assert err.value.flag == "--parallel"
     assert isinstance(optimizer_config(TrainConfig(optimizer="muon", parallel="ep"), 1e-3), MuonConfig)
