@@ -285,8 +285,8 @@ def muon_table(run: Config) -> tuple[Table, list[Arm]]:
             "recipe. 'at step()': Sonar's batched expert update run by an end-of-step optimizer, every "
             "expert gradient kept; 'per matrix': torch.optim.Muon on each expert matrix as its own "
             "parameter (the twin); 'nonfinite=ignore': no device-side skip of a non-finite gradient (Muon "
-            "has no fused kernel taking the flag: the guard selects new against old weights and "
-            "momentum).")  # fmt: skip
+            "has no fused kernel taking the flag: the guard swaps a skipped gradient for the momentum "
+            "and zeroes the update on the device).")  # fmt: skip
     return Table(title=f"Muon ({run.compiler})", headers=headers, rows=rows, note=note), arms
 
 

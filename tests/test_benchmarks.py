@@ -292,6 +292,7 @@ def test_optimizers_clipping_table_runs_every_arm_in_rounds_and_states_its_goals
     assert all(isinstance(g.met, bool) for g in goals.values())  # every goal measured
 
 
+@pytest.mark.slow  # five arms built and measured: ~18 s on 2 cores
 def test_optimizers_muon_table_measures_state_memory_and_time_against_adamw_and_at_step(one_thread):
     tiny = dict(hidden_size=32, intermediate_size=32, num_experts=4, num_hidden_layers=2)
     run = optimizers.Config(muon_overrides=tiny, seq=16, warmup=1, rounds=2, only=("muon",))

@@ -57,7 +57,7 @@ def twins():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])  # 11-14 s
 def test_sonar_muon_equals_torch_muon_twin_bitwise(compiler, dtype, twins):
     torch._dynamo.reset()
     model, method = _train("sonar", compiler=compiler, dtype=dtype)
