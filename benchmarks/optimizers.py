@@ -9,6 +9,9 @@ the same run with the norms off. Low-bit expert states (torchao, 8 and 4 bits): 
 expert optimizer states and the step time. All arms of a table run round-robin in one process, so
 every time ratio pairs steps taken under the same load; memory is measured once per arm. The cost of
 the non-finite check (`nonfinite="raise"`, the default) against the same run with `nonfinite="ignore"`.
+Muon (`muon` table): the optimizer state and the step's transient memory against AdamW, and the step time
+of Sonar's in-backward Muon against the same batched Muon run at `step()` with every expert gradient kept
+(and against torch.optim.Muon per expert matrix at `step()`, the twin). `--only` picks tables.
 Arms are measured by `sonar_fx.measure` (interleaved rounds, paired ratios).
 """
 
@@ -24,17 +27,21 @@ from torch.utils.benchmark import timer
 
 from benchmarks import common
 from benchmarks.common import Goal, Table, mib
-from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
+from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
+from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
 from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.adamw import nonfinite_flag
 from sonar_fx.optim.lowbit import is_lowbit
+from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.norms import tensor_norm
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.rules import MuonRule, end_of_step_optimizer
 from sonar_fx.workload import random_batches
 
 SCRIPT = "optimizers"
+TABLES = ("optimizers", "clipping", "lowbit", "muon")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,10 +64,22 @@ class Config:
     """"eager" (hooks) or "aot_eager" (the compiled pass)."""
     lowbit: bool = True
     """Include the torchao low-bit arms (skipped with a note when torchao is missing)."""
+    muon_overrides: dict[str, Any] = field(
+        default_factory=lambda: dict(
+            hidden_size=64, intermediate_size=128, num_experts=32, num_hidden_layers=4
+        )
+    )
+    """The Muon table's model: narrower than `overrides`, because Muon's Newton-Schulz runs in bf16 (as
+    torch.optim.Muon's does) and bf16 GEMMs on a CPU without native bf16 instructions are slow (one
+    256 x 512 matrix: ~1 s on 2 cores). Experts hold 97% of its parameters."""
+    only: tuple[str, ...] = TABLES
+    """Which tables to measure (`--only`); a run of some of them writes results/optimizers_<names>/."""
 
 
 QUICK = Config(overrides=dict(hidden_size=128, intermediate_size=128, num_experts=8, num_hidden_layers=2),
-               seq=64, warmup=1, rounds=4)  # fmt: skip
+               seq=64, warmup=1, rounds=4,
+               muon_overrides=dict(hidden_size=32, intermediate_size=32, num_experts=8,
+                                   num_hidden_layers=2))  # fmt: skip
 LR = 1e-3
 OPTIMIZERS: dict[str, OptimizerConfig] = {
     "adamw": AdamWConfig(lr=LR),
@@ -68,6 +87,7 @@ OPTIMIZERS: dict[str, OptimizerConfig] = {
     "sgd": SGDConfig(lr=LR, momentum=0.9),
     "lion": LionConfig(lr=LR),
 }
+MUON = MuonConfig(lr=LR)
 
 
 @dataclass(kw_only=True)
@@ -76,6 +96,8 @@ class Arm(ArmResult):
 
     build: Callable[[], tuple[torch.nn.Module, TrainingMethod]]
     expert_state_bytes: int = 0
+    state_bytes: int = 0
+    """Every optimizer state tensor of the arm (dense and experts)."""
     model: torch.nn.Module | None = None
     method: TrainingMethod | None = None
 
@@ -88,9 +110,10 @@ def _arm(
     *,
     norms: bool = True,
     nonfinite: str = "raise",
+    overrides: dict[str, Any] | None = None,
 ) -> Arm:
     def build() -> tuple[torch.nn.Module, TrainingMethod]:
-        model = build_model(run.model, seed=0, **run.overrides)
+        model = build_model(run.model, seed=0, **(run.overrides if overrides is None else overrides))
         extra: dict[str, Any] = {"nonfinite": nonfinite} if Method.named(method).sonar else {}
         m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
@@ -116,6 +139,13 @@ def _expert_state_bytes(method: TrainingMethod) -> int:
     return total
 
 
+def _state_bytes(method: TrainingMethod) -> int:
+    """Bytes of every optimizer state tensor of `method` (plain tensors; each counted once)."""
+    tensors = {id(v): v for opt in method.optimizers for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and not is_lowbit(v)}  # fmt: skip
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def run_arms(arms: Sequence[Arm], run: Config) -> None:
     """Build and warm each arm up, measure its step memory once, then time the arms in interleaved
     rounds (`sonar_fx.measure`); every arm stays alive throughout."""
@@ -128,6 +158,7 @@ def run_arms(arms: Sequence[Arm], run: Config) -> None:
             step = partial(_synced_step, arm.method)
             measure_arm(arm, step, data[: run.warmup], data[run.warmup])
             arm.expert_state_bytes = _expert_state_bytes(arm.method)
+            arm.state_bytes = _state_bytes(arm.method)
             print(f"  {arm.label}: {arm.error or 'ready'}", flush=True)
             steps.append((arm, step))
         run_rounds(steps, data[run.warmup + 1 :])
@@ -193,6 +224,90 @@ def lowbit_table(run: Config) -> tuple[Table, list[Arm]] | None:
                  "state vs 32-bit"], rows=rows, note=note), arms  # fmt: skip
 
 
+class RuleAtStep(torch.optim.Optimizer):
+    """An end-of-step optimizer that runs an update rule on each tensor, one call per tensor as Sonar
+    makes them in backward: Sonar's expert arithmetic with every expert gradient kept until step()."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], rule: MuonRule, cfg: MuonConfig) -> None:
+        super().__init__(list(params), rule.defaults(cfg))
+        self.rule = rule
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        group = self.param_groups[0]
+        for p in group["params"]:
+            if p.grad is not None:
+                if not self.state[p]:
+                    self.rule.init_state(p, self.state[p])
+                self.rule.update_([p], [p.grad], [self.state[p]], group)
+
+
+def _muon_at_step(run: Config) -> Arm:
+    """Muon at step() with Sonar's batched expert update, and the same dense recipe as the twin."""
+
+    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+        model = build_model(run.model, seed=0, **run.muon_overrides)
+        method = build_method("standard_no_expert_clip", model, MUON, compiler=run.compiler)
+        layers = discover_experts(model)
+        experts = {id(t.param) for layer in layers for t in layer.tensors}
+        params = [p for p in model.parameters() if p.requires_grad]
+        dense = [p for p in params if id(p) not in experts]
+        method.optimizer = end_of_step_optimizer(MUON, dense, matrices=matrix_params(MUON, model, layers))
+        method.expert_optimizer = RuleAtStep([p for p in params if id(p) in experts], MuonRule(), MUON)
+        return model, method
+
+    return Arm(label="muon at step() (same batched math)", build=build)
+
+
+def muon_table(run: Config) -> tuple[Table, list[Arm]]:
+    shape = run.muon_overrides
+    arms = [
+        _arm("adamw: sonar", "sonar", AdamWConfig(lr=LR), run, overrides=shape),
+        _arm("muon: sonar (in backward)", "sonar", MUON, run, overrides=shape),
+        _muon_at_step(run),
+        _arm("muon: torch.optim.Muon per matrix at step()", "standard_no_expert_clip", MUON, run,
+             overrides=shape),
+        _arm("muon: sonar, nonfinite=ignore", "sonar", MUON, run, overrides=shape, nonfinite="ignore"),
+    ]  # fmt: skip
+    run_arms(arms, run)
+    adamw, at_step = arms[0], arms[2]
+    rows = []
+    for arm in arms:
+        expert = f"{mib(arm.expert_state_bytes):.2f}" if arm.expert_state_bytes else "-"
+        rows.append([arm.label, arm.step_ms.fmt(1) if arm.ok else f"failed: {arm.error}",
+                     fmt_ratio(ratio(arm, at_step)), f"{mib(arm.peak_bytes):.2f}",
+                     f"{arm.peak_bytes / max(adamw.peak_bytes, 1):.2f}x", f"{mib(arm.state_bytes):.2f}",
+                     f"{arm.state_bytes / max(adamw.state_bytes, 1):.2f}x", expert])  # fmt: skip
+    headers = ["arm", "step ms [q25-q75]", "time vs muon at step()", "step transient MiB",
+               "transient vs adamw", "optimizer state MiB", "state vs adamw", "expert state MiB"]  # fmt: skip
+    note = (f"Model: {run.model} with {shape}. Muon keeps one momentum buffer per matrix where AdamW "
+            "keeps two moments (and a step); embeddings, head, routers and norms take AdamW in the Muon "
+            "recipe. 'at step()': Sonar's batched expert update run by an end-of-step optimizer, every "
+            "expert gradient kept; 'per matrix': torch.optim.Muon on each expert matrix as its own "
+            "parameter (the twin); 'nonfinite=ignore': no device-side skip of a non-finite gradient (Muon "
+            "has no fused kernel taking the flag: the guard swaps a skipped gradient for the momentum "
+            "and zeroes the update on the device).")  # fmt: skip
+    return Table(title=f"Muon ({run.compiler})", headers=headers, rows=rows, note=note), arms
+
+
+def muon_goals(arms: list[Arm]) -> list[Goal]:
+    adamw, sonar, at_step, _, unguarded = arms
+    time, guard = ratio(sonar, at_step), ratio(sonar, unguarded)
+    state = sonar.expert_state_bytes / max(adamw.expert_state_bytes, 1)
+    return [
+        Goal(name="Muon expert state", target="about 1/2 of AdamW's (one buffer, not two moments)",
+             measured=f"{state:.3f}x", met=state < 0.51),
+        Goal(name="in-backward Muon time", target="within 5% of the same Muon at step()",
+             measured=f"{fmt_ratio(time)}", met=None if time is None else time.median < 1.05),
+        Goal(name="in-backward Muon memory", target="step transient below the same Muon at step()",
+             measured=f"{sonar.peak_bytes / max(at_step.peak_bytes, 1):.2f}x",
+             met=sonar.peak_bytes < at_step.peak_bytes),
+        Goal(name="Muon non-finite guard cost", target="< 5% of step time",
+             measured=f"raise/ignore step ratio {fmt_ratio(guard)}",
+             met=None if guard is None else guard.median < 1.05),
+    ]  # fmt: skip
+
+
 def per_step_seconds(arm: Arm, fn: Callable[[torch.Tensor], torch.Tensor], repeats: int = 20) -> float:
     """Median seconds of `fn` over every expert gradient of one step (random values of each expert
     tensor's shape): the calls an update makes once per expert tensor."""
@@ -243,20 +358,36 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
 def main(argv: Sequence[str] | None = None) -> None:
     inv = common.start(
         SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
-        overrides=[common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler")],
+        overrides=[common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler"),
+                   common.Override(field="only", choices=TABLES, many=True,
+                                   help="measure only these tables (results/optimizers_<names>/)")],
     )  # fmt: skip
     run = inv.cfg
-    tables, records = [], []
-    opt_table, opt_arms = optimizer_table(run)
-    clip_table, clip_arms = clipping_table(run)
-    tables += [opt_table, clip_table]
-    low = lowbit_table(run) if run.lowbit else None
+    if tuple(run.only) != TABLES:  # a partial run never replaces the full results
+        inv = replace(inv, script="_".join((SCRIPT, *run.only)))
+    tables, arms, all_goals = [], [], []
+    if "optimizers" in run.only:
+        opt_table, opt_arms = optimizer_table(run)
+        tables.append(opt_table)
+        arms += opt_arms
+    low = lowbit_table(run) if run.lowbit and "lowbit" in run.only else None
+    if "clipping" in run.only:
+        clip_table, clip_arms = clipping_table(run)
+        tables.append(clip_table)
+        arms += clip_arms
+        all_goals += goals(clip_arms, low[1] if low else None)
     if low is not None:
         tables.append(low[0])
-    for arm in [*opt_arms, *clip_arms, *(low[1] if low else [])]:
-        records.append({"arm": arm.label, "step_s": arm.step_s, "peak_bytes": arm.peak_bytes,
-                        "expert_state_bytes": arm.expert_state_bytes, "error": arm.error})  # fmt: skip
-    inv.finish(tables, goals=goals(clip_arms, low[1] if low else None), records=records)
+        arms += low[1]
+    if "muon" in run.only:
+        muon, muon_arms = muon_table(run)
+        tables.append(muon)
+        arms += muon_arms
+        all_goals += muon_goals(muon_arms)
+    records = [{"arm": arm.label, "step_s": arm.step_s, "peak_bytes": arm.peak_bytes,
+                "state_bytes": arm.state_bytes, "expert_state_bytes": arm.expert_state_bytes,
+                "error": arm.error} for arm in arms]  # fmt: skip
+    inv.finish(tables, goals=all_goals, records=records)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     lines = [
         f"### {script}",
         "",
-        question(script),
+        question(module_of(data["command"])),  # a partial run (`--only`) is named apart from its module
         "",
         f"`{data['command']}`: {env['date']}, {env.get('gpu') or env['device']} on {env['host']} "
         f"({env['cores']} cores, "
@@ -111,6 +112,11 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
         path = Path(os.path.relpath(results_dir / script / image, readme_dir)).as_posix()
         lines += ["", f"![{script}]({path})"]
     return "\n".join(lines)
+
+
+def module_of(command: str) -> str:
+    """The benchmark module a results command ran: `python -m benchmarks.<module> ...`."""
+    return shlex.split(command)[2].removeprefix("benchmarks.")
 
 
 def question(script: str) -> str:

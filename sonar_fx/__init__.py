@@ -1,7 +1,7 @@
 """sonar-fx: in-backward expert updates for memory-efficient MoE training, as a torch.compile pass."""
 
 from sonar_fx.api import compile, prepare
-from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
+from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
 from sonar_fx.errors import (
     InterruptedStepError,
     NonFiniteGradientError,
@@ -26,6 +26,7 @@ __all__ = [
     "ExpertTensor",
     "InterruptedStepError",
     "LionConfig",
+    "MuonConfig",
     "NoExpertsFoundError",
     "NonFiniteGradientError",
     "OptimizerConfig",

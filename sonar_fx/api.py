@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from sonar_fx.compiled import compile_forward_, repeated_blocks
-from sonar_fx.config import OPTIMIZER_CONFIGS, OptimizerConfig
+from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
+from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
 
@@ -63,10 +64,10 @@ def _prepare(
 ) -> SonarOptimizer:
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
-            f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig or LionConfig, got "
+            f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig, LionConfig or MuonConfig, got "
             f"{type(opt_cfg).__name__}. Sonar updates each expert tensor alone during backward, which is "
-            "exact only for an element-wise optimizer: build one, e.g. sonar_fx.AdamWConfig(lr=..., "
-            "betas=..., weight_decay=..., max_grad_norm=...)."
+            "exact only for an optimizer whose update of a tensor needs that tensor's gradient alone: build "
+            "one, e.g. sonar_fx.AdamWConfig(lr=..., betas=..., weight_decay=..., max_grad_norm=...)."
         )
     if getattr(model, "sonar", None) is not None:
         raise SonarUsageError(
@@ -88,7 +89,7 @@ def _prepare(
     optimizer = SonarOptimizer(
         split.dense_params, found.layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in split.dense], param_order=split.params,
-        compiler=compiler, distributed=distributed,
+        compiler=compiler, distributed=distributed, matrices=matrix_params(opt_cfg, model, found.layers),
     )  # fmt: skip
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
@@ -183,7 +184,10 @@ def distributed_gap(opt_cfg: OptimizerConfig, engine: str) -> tuple[str, str] | 
     name) does not run, as (field, why), or None. The one rule: `prepare` and `sonar_fx.engines` ask it.
     4-bit states on DTensor shards are refused: torchao's own 4-bit optimizer fails on them (torch 2.13,
     torchao 0.18: its compiled kernel asserts "wrong number of dimensions" on FSDP2 shards), so there
-    is no twin to be exact against."""
+    is no twin to be exact against. Muon on DTensor shards: `sharded_matrices_gap`."""
+    sharded = sharded_matrices_gap(opt_cfg) if engine in DTENSOR_ENGINES else None
+    if sharded is not None:
+        return "parallel", sharded.rstrip(".")
     if getattr(opt_cfg, "state_bits", 32) == 4 and engine in DTENSOR_ENGINES:
         return "state_bits", (
             f"state_bits=4 is not supported on the {engine} engine: torchao's 4-bit states fail on FSDP2's "
@@ -191,6 +195,22 @@ def distributed_gap(opt_cfg: OptimizerConfig, engine: str) -> tuple[str, str] | 
             "verifies them; use state_bits=8 there, or 4 on ddp or ep"
         )
     return None
+
+
+def sharded_matrices_gap(opt_cfg: OptimizerConfig) -> str | None:
+    """Why `opt_cfg` cannot train on FSDP2 (the fix included), or None. Muon orthogonalises each whole
+    matrix: FSDP2's expert shards would be whole expert matrices (Shard(0) splits E), but every dense
+    hidden matrix reaches step() as a row shard. The one rule: `prepare`, `sonar_fx.distributed.fsdp2`
+    and the FSDP2 engine all ask it."""
+    if not isinstance(opt_cfg, MuonConfig):
+        return None
+    return (
+        "MuonConfig with FSDP2: Muon orthogonalises each whole matrix, but FSDP2 hands every rank a "
+        "Shard(0) slice of each dense hidden matrix at step() (its expert shards are whole expert "
+        "matrices, the dense ones are not), and gathering them would undo the sharding. Train Muon with "
+        "DDP or expert parallelism (sonar_fx.distributed.ddp or expert_parallel, --parallel ddp or ep), "
+        "or AdamW on FSDP2."
+    )
 
 
 def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:

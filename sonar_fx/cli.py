@@ -129,13 +129,18 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--warmup", type=int, default=None, help="linear warm-up steps (default: 3%% of the steps)")
     add("--min-lr", type=float, default=d.min_lr, help="LR at the end of the cosine decay")
     add("--optimizer", choices=tuple(OPTIMIZER_CONFIGS), default=d.optimizer,
-        help="optimizer of dense and expert tensors (adam: L2 decay; sgd: --momentum)")  # fmt: skip
-    add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"), help="adamw, adam, lion")
-    add("--eps", type=float, default=d.eps, help="adamw, adam")
+        help="optimizer of dense and expert tensors (adam: L2 decay; sgd: --momentum; muon: Muon for expert "
+        "and hidden matrices, AdamW for the rest)")  # fmt: skip
+    add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"),
+        help="adamw, adam, lion; muon: its AdamW tensors")  # fmt: skip
+    add("--eps", type=float, default=d.eps, help="adamw, adam; muon: its AdamW tensors")
     add("--weight-decay", type=float, default=d.weight_decay)
-    add("--momentum", type=float, default=d.momentum, help="sgd")
+    add("--momentum", type=float, default=None, help="sgd (default 0), muon (default 0.95)")
     add("--dampening", type=float, default=d.dampening, help="sgd")
-    add("--nesterov", action="store_true", help="sgd: Nesterov momentum")
+    add("--nesterov", action=argparse.BooleanOptionalAction, default=None,
+        help="sgd (default off), muon (default on): Nesterov momentum")  # fmt: skip
+    add("--adjust-lr-fn", choices=("original", "match_rms_adamw"), default=None,
+        help="muon: how a matrix's shape scales its LR (default: original)")  # fmt: skip
     add("--max-grad-norm", type=_optional_float, default=d.max_grad_norm, help="'none': no clip")
     add("--expert-clip", type=_expert_clip, default=d.expert_clip, metavar="{none,per_tensor,global}",
         help="clip expert gradients to --max-grad-norm: not at all (none, the paper), each tensor by its "

@@ -3,8 +3,9 @@ hyper-parameters, how gradients are clipped and how expert optimizer states are 
 
 Frozen, keyword-only dataclasses: the one place where hyper-parameters are validated. Sonar's argument
 holds for any optimizer whose update of a tensor needs only that tensor's gradient, so each config
-here names one: `AdamWConfig` (the paper's), `AdamConfig` (L2 decay), `SGDConfig`, `LionConfig`.
-They never hold tensors or model state.
+here names one: `AdamWConfig` (the paper's), `AdamConfig` (L2 decay), `SGDConfig`, `LionConfig`, and
+`MuonConfig`, which is matrix-wise but still per tensor: each expert matrix's update needs that
+matrix's momentum alone. They never hold tensors or model state.
 """
 
 from __future__ import annotations
@@ -155,12 +156,107 @@ class LionConfig(_OptimizerConfig):
         self._check_betas(self.betas)
 
 
-OptimizerConfig: TypeAlias = AdamWConfig | AdamConfig | SGDConfig | LionConfig
+MuonRouters = Literal["adamw", "muon"]
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""torch.optim.Muon's default Newton-Schulz coefficients (a, b, c)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonConfig(_OptimizerConfig):
+    """Muon for matrices (torch.optim.Muon's hyper-parameters and defaults), AdamW for the rest.
+
+    Expert tensors get Muon per expert matrix inside backward; dense hidden 2-D matrices get Muon at
+    `step()`; embeddings, the output head, routers (see `routers`), norms, biases and any tensor that
+    is not 2-D get AdamW at `step()` (the `adamw_*` fields). `sonar_fx.optim.matrices` decides which
+    dense tensors are hidden matrices; docs/muon.md gives the recipe and the matrix orientation.
+    """
+
+    lr: float = 1e-3
+    """Muon's LR (expert and hidden matrices); also AdamW's unless `adamw_lr` is set. An LR scheduler
+    scales every group from its own starting LR."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices (`p *= 1 - lr * weight_decay`, with the unadjusted LR);
+    also AdamW's unless `adamw_weight_decay` is set."""
+    momentum: float = 0.95
+    """Momentum factor, >= 0: `buf.lerp_(grad, 1 - momentum)`, as torch.optim.Muon keeps it."""
+    nesterov: bool = True
+    """Orthogonalise `grad.lerp(buf, momentum)` (True) or the momentum buffer itself (False)."""
+    ns_coefficients: tuple[float, float, float] = MUON_NS_COEFFICIENTS
+    """Coefficients (a, b, c) of the quintic Newton-Schulz iteration."""
+    eps: float = 1e-7
+    """Floor of the Frobenius norm the iteration's input is divided by, > 0."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations, in [1, 100)."""
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    """How a matrix's (A, B) shape scales its LR: None or "original" (`sqrt(max(1, A / B))`), or
+    "match_rms_adamw" (`0.2 * sqrt(max(A, B))`). A and B are each expert matrix's rows and columns
+    as stored: (2n, d) for gate_up, (d, n) for down in transformers' layout (see docs/muon.md)."""
+    routers: MuonRouters = "adamw"
+    """Routers ((E, d) weights beside an experts module): "adamw" (the default recipe) or "muon"."""
+    adamw_lr: float | None = None
+    """LR of the AdamW tensors; None: `lr`."""
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates, each in [0, 1)."""
+    adamw_eps: float = 1e-8
+    """AdamW's denominator term, > 0."""
+    adamw_weight_decay: float | None = None
+    """AdamW's decoupled weight decay; None: `weight_decay`."""
+    state_bits: Literal[32] = 32
+    """Muon keeps its momentum in the parameter's dtype: only 32 (no low-bit state reproduces it)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check(self.momentum >= 0 and math.isfinite(self.momentum), "momentum", self.momentum, ">= 0")
+        coefficients = tuple(self.ns_coefficients)
+        self._check(
+            len(coefficients) == 3 and all(math.isfinite(c) for c in coefficients),
+            "ns_coefficients", self.ns_coefficients, "three finite numbers (a, b, c)",
+        )  # fmt: skip
+        object.__setattr__(self, "ns_coefficients", tuple(float(c) for c in coefficients))
+        self._check(self.eps > 0 and math.isfinite(self.eps), "eps", self.eps, "a finite number > 0")
+        self._check(1 <= self.ns_steps < 100, "ns_steps", self.ns_steps, "an integer in [1, 100)")
+        self._check(
+            self.adjust_lr_fn in (None, "original", "match_rms_adamw"),
+            "adjust_lr_fn", self.adjust_lr_fn, "None, 'original' or 'match_rms_adamw'",
+        )  # fmt: skip
+        self._check(self.routers in ("adamw", "muon"), "routers", self.routers, "'adamw' or 'muon'")
+        if self.adamw_lr is not None:
+            ok = self.adamw_lr >= 0 and math.isfinite(self.adamw_lr)
+            self._check(ok, "adamw_lr", self.adamw_lr, "a finite number >= 0, or None for lr")
+        if self.adamw_weight_decay is not None:
+            ok = self.adamw_weight_decay >= 0
+            self._check(ok, "adamw_weight_decay", self.adamw_weight_decay, ">= 0, or None for weight_decay")
+        self._check(self.adamw_eps > 0 and math.isfinite(self.adamw_eps), "adamw_eps", self.adamw_eps, "> 0")
+        values = tuple(self.adamw_betas)
+        self._check(len(values) == 2, "adamw_betas", self.adamw_betas, "a pair (beta1, beta2)")
+        for i, b in enumerate(values):
+            self._check(0.0 <= b < 1.0, f"adamw_betas[{i}]", b, "in [0, 1)")
+        object.__setattr__(self, "adamw_betas", (float(values[0]), float(values[1])))
+        self._check(
+            self.state_bits == 32, "state_bits", self.state_bits,
+            "32: Muon's momentum has no low-bit form here (low-bit states are AdamWConfig/AdamConfig's)",
+        )  # fmt: skip
+
+    @property
+    def adamw(self) -> AdamWConfig:
+        """The AdamW half of the recipe (embeddings, head, routers, norms, biases), as its own config."""
+        return AdamWConfig(
+            lr=self.lr if self.adamw_lr is None else self.adamw_lr,
+            betas=self.adamw_betas,
+            eps=self.adamw_eps,
+            weight_decay=self.weight_decay if self.adamw_weight_decay is None else self.adamw_weight_decay,
+            max_grad_norm=self.max_grad_norm,
+            expert_clip=self.expert_clip,
+        )
+
+
+OptimizerConfig: TypeAlias = AdamWConfig | AdamConfig | SGDConfig | LionConfig | MuonConfig
 """Any optimizer configuration Sonar accepts."""
 OPTIMIZER_CONFIGS: dict[str, type[OptimizerConfig]] = {
     "adamw": AdamWConfig,
     "adam": AdamConfig,
     "sgd": SGDConfig,
     "lion": LionConfig,
+    "muon": MuonConfig,
 }
 """`--optimizer` name -> config class."""

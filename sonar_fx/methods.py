@@ -9,9 +9,10 @@ like with like:
 - oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
 - sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
 What a method is (Sonar or not, which gradients it clips) is its `Method`, looked up by name; the
-string tests on names live nowhere else. The optimizer is the config's (AdamW, Adam, SGD, Lion):
-baselines use torch's fused optimizer for it (`UpdateRule.torch_optimizer`; Lion: the reference
-`LionRef`; low-bit expert states: torchao's). How a method runs is one `Execution`: compiler "eager",
+string tests on names live nowhere else. The optimizer is the config's (AdamW, Adam, SGD, Lion, Muon):
+baselines use torch's fused optimizer for it (`rules.end_of_step_optimizer`; Lion: the reference
+`LionRef`; low-bit expert states: torchao's; Muon: `MuonTwin`, torch.optim.Muon per matrix and fused
+AdamW for the rest). How a method runs is one `Execution`: compiler "eager",
 or "aot_eager" / "inductor" through torch.compile; for sonar under a compiler, `sonar_pass=False`
 keeps the hooks on the compiled model instead of the graph pass. Where it runs is an `Engine`
 (`sonar_fx.engines`: one process, DDP, FSDP2, expert parallel): `build_method` is the one builder for
@@ -31,8 +32,9 @@ from sonar_fx import api
 from sonar_fx.config import ConfigFieldError, ExpertClip, OptimizerConfig
 from sonar_fx.engines import SINGLE_PROCESS, Engine
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertSet, Split
+from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
-from sonar_fx.optim.rules import rule_for
+from sonar_fx.optim.rules import end_of_step_optimizer, rule_for
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,14 +269,18 @@ def build_method(
         )  # fmt: skip
         return TrainingMethod(kind, execution, run, sonar)
     run = engine.wrap(model, execution.compiler)
-    if kind.per_param_hooks:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return TrainingMethod(kind, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
     # The same split as Sonar's, taken after the engine placed the model (FSDP2 swaps in DTensors).
     biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)
-    split = ExpertSet.discover(model, experts, expert_biases=biases).split(model)
+    found = ExpertSet.discover(model, experts, expert_biases=biases)
+    split = found.split(model)
+    # The tensors a config with a matrix rule (Muon) updates as matrices: hidden ones and experts.
+    matrices = [*matrix_params(cfg, model, found.layers), *split.expert_params]
+    if kind.per_param_hooks:
+        hooked = _hook_every_param(split.params, cfg, matrices)
+        return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked)
     low_bit = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
-    optimizer = rule_for(cfg).torch_optimizer(split.dense_params if low_bit else split.params, cfg)
+    params = split.dense_params if low_bit else split.params
+    optimizer = end_of_step_optimizer(cfg, params, matrices=matrices)
     expert_optimizer = (
         rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if low_bit else None
     )
@@ -315,9 +321,10 @@ def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bo
     return Execution(compiler=chosen, sonar_pass=True if sonar_pass is None else sonar_pass)
 
 
-def _hook_every_param(params: list[nn.Parameter], cfg: OptimizerConfig) -> dict[int, torch.optim.Optimizer]:
-    rule = rule_for(cfg)
-    optimizers: dict[int, torch.optim.Optimizer] = {id(p): rule.torch_optimizer([p], cfg) for p in params}
+def _hook_every_param(
+    params: list[nn.Parameter], cfg: OptimizerConfig, matrices: list[nn.Parameter]
+) -> dict[int, torch.optim.Optimizer]:
+    optimizers = {id(p): end_of_step_optimizer(cfg, [p], matrices=matrices) for p in params}
 
     def step_and_free(p: Tensor) -> None:
         optimizers[id(p)].step()

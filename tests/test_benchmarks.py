@@ -290,3 +290,22 @@ def test_optimizers_clipping_table_runs_every_arm_in_rounds_and_states_its_goals
     goals = {g.name: g for g in optimizers.goals(arms, None)}
     assert set(goals) == {"logged norms cost", "non-finite check cost", "global clip memory"}
     assert all(isinstance(g.met, bool) for g in goals.values())  # every goal measured
+
+
+@pytest.mark.slow  # five arms built and measured: ~18 s on 2 cores
+def test_optimizers_muon_table_measures_state_memory_and_time_against_adamw_and_at_step(one_thread):
+    tiny = dict(hidden_size=32, intermediate_size=32, num_experts=4, num_hidden_layers=2)
+    run = optimizers.Config(muon_overrides=tiny, seq=16, warmup=1, rounds=2, only=("muon",))
+    table, arms = optimizers.muon_table(run)
+    assert [a.error for a in arms] == [None] * len(arms)
+    adamw, sonar, at_step, twin, _ = arms
+    # One momentum buffer per expert tensor where AdamW keeps two moments and a step: exactly counted.
+    expert_elems = sum(p.numel() for p in sonar.method.optimizer.expert_group["params"])
+    assert sonar.expert_state_bytes == 4 * expert_elems
+    assert adamw.expert_state_bytes == 8 * expert_elems + 4 * len(
+        sonar.method.optimizer.expert_group["params"]
+    )
+    assert at_step.state_bytes == twin.state_bytes == sonar.state_bytes  # the same states, wherever they run
+    assert [row[0] for row in table.rows] == [a.label for a in arms]
+    goals = {g.name: g for g in optimizers.muon_goals(arms)}
+    assert goals["Muon expert state"].met and isinstance(goals["in-backward Muon time"].met, bool)

@@ -254,7 +254,7 @@ def test_bad_configs_name_the_field():
         sonar_fx.AdamWConfig(expert_clip="global", max_grad_norm=None)
     with pytest.raises(ValueError, match=r"AdamConfig.state_bits"):
         sonar_fx.AdamConfig(state_bits=16)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="AdamWConfig, AdamConfig, SGDConfig or LionConfig"):
+    with pytest.raises(TypeError, match="AdamWConfig, AdamConfig, SGDConfig, LionConfig or MuonConfig"):
         sonar_fx.prepare(build_model("tiny-olmoe"), torch.optim.SGD([torch.zeros(1)], lr=0.1))
     with pytest.raises(ValueError, match="cannot clip expert gradients 'global'"):
         build_method(

@@ -67,6 +67,9 @@ def fsdp2(
     still do the updates, after FSDP2's reduce-scatter). Warns when an expert tensor shares its
     `fully_shard` group with other parameters (exact, but no memory saved)."""
     require_process_group("sonar_fx.distributed.fsdp2")
+    gap = api.distributed_gap(opt_cfg, "fsdp2")
+    if gap is not None:  # refused before the model is sharded
+        raise SonarUsageError(gap[1] + ".")
     if not isinstance(model, FSDPModule):
         fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
     warn_unless_own_groups(model, ExpertSet.discover(model, experts))

@@ -1,11 +1,12 @@
 """`SonarOptimizer`: a real `torch.optim.Optimizer` whose expert group is updated during backward.
 
-Two param groups, so any LR scheduler drives both: "dense" (end-of-step fused update after clipping
-the global norm of the dense gradients) and "experts" (updated one batched tensor at a time by
-`update_expert_`, called from a hook or from the compiled graph, as soon as its gradient is ready).
-The arithmetic is an update rule chosen from the config type (AdamW, Adam, SGD, Lion; see `rules`),
-the clipping and gradient norms are `norms`'; `backward(closure)` runs the two passes that exact
-global clipping of expert gradients needs (expert_clip="global").
+Param groups, so any LR scheduler drives every one: "dense" (end-of-step fused update after clipping
+the global norm of the dense gradients), "experts" (updated one batched tensor at a time by
+`update_expert_`, called from a hook or from the compiled graph, as soon as its gradient is ready) and,
+for a config that updates hidden matrices apart (Muon), "dense_matrices" (end-of-step, clipped with
+the other dense gradients). The arithmetic is an update rule chosen from the config type (AdamW, Adam,
+SGD, Lion, Muon; see `rules`), the clipping and gradient norms are `norms`'; `backward(closure)` runs
+the two passes that exact global clipping of expert gradients needs (expert_clip="global").
 The optimizer binds its expert tensors to itself in the runtime registry (weakly), so whatever runs
 in backward finds it from the tensor at hand; a deep copy or an unpickled optimizer binds its own
 tensors. It never decides where updates run; the eager hooks and the graph pass do.
@@ -29,7 +30,7 @@ from sonar_fx.optim import lowbit
 from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
-from sonar_fx.optim.rules import rule_for
+from sonar_fx.optim.rules import matrix_rule_for, rule_for
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.runtime import hooks, registry
@@ -57,20 +58,24 @@ class SonarOptimizer(torch.optim.Optimizer):
         param_order: Sequence[nn.Parameter] | None = None,
         compiler: str = "eager",
         distributed: GradReduction | None = None,
+        matrices: Sequence[nn.Parameter] = (),
     ) -> None:
         """`param_order`: every trainable parameter in the model's order (`model.parameters()`), the
         order in which expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model
         would (default: dense, then experts). `compiler`: what compiles the model's forward ("eager":
         nothing; reported by `report()`). `distributed`: how expert gradients are reduced across ranks
-        before their update (None: one process); `sonar_fx.distributed` passes it."""
+        before their update (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense
+        tensors a config with a matrix rule (Muon) updates as hidden matrices
+        (`sonar_fx.optim.matrices.matrix_params`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
             raise ValueError(f"accumulation={accumulation!r}: expected None or 'per_microbatch'.")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite={nonfinite!r}: expected one of {', '.join(map(repr, NONFINITE))}.")
-        self.rule, self.expert_rule = rule_for(cfg), rule_for(cfg, experts=True)
+        self._set_rules(cfg)
         _refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation)
+        self.expert_rule.check_experts(expert_layers)
         self.cfg = cfg
         self.granularity = granularity
         self.accumulation = accumulation
@@ -80,15 +85,20 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.stats = SonarStats()
         self.compiler = compiler
         self.distributed = distributed
-        defaults = self.rule.defaults(cfg)
         experts = self.experts.params
+        split = {id(p) for p in matrices} if self.matrix_rule is not None else set()
+        groups = [
+            dict(params=[p for p in dense_params if id(p) not in split], name="dense"),
+            dict(params=experts, name="experts", **self.expert_rule.defaults(cfg)),
+        ]
+        if self.matrix_rule is not None:
+            hidden = [p for p in dense_params if id(p) in split]
+            groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg)))
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
         rank = {id(p): i for i, p in enumerate(order)}
         # Position in model order of each param, in param-group order: plain ints, so copies keep it.
-        self._norm_rank = [rank[id(p)] for p in [*dense_params, *experts]]
-        super().__init__(
-            [dict(params=list(dense_params), name="dense"), dict(params=experts, name="experts")], defaults
-        )
+        self._norm_rank = [rank[id(p)] for g in groups for p in g["params"]]
+        super().__init__(groups, self.rule.defaults(cfg))
         self._bind()
 
     # ----------------------------------------------------------------------------- binding, copies
@@ -126,8 +136,12 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.rule, self.expert_rule = rule_for(self.cfg), rule_for(self.cfg, experts=True)
+        self._set_rules(self.cfg)
         self._bind()  # a deep copy binds the copied tensors (its model's, when the model was copied)
+
+    def _set_rules(self, cfg: OptimizerConfig) -> None:
+        self.rule, self.expert_rule = rule_for(cfg), rule_for(cfg, experts=True)
+        self.matrix_rule = matrix_rule_for(cfg)
 
     # ------------------------------------------------------------------------------------ updates
 
@@ -143,10 +157,21 @@ class SonarOptimizer(torch.optim.Optimizer):
     def expert_group(self) -> dict[str, Any]:
         return self.param_groups[1]
 
-    def _state(self, param: Tensor, *, expert: str | None = None) -> dict[str, Any]:
+    def _dense_updates(self) -> list[tuple[dict[str, Any], Any]]:
+        """(param group, its rule) of every group updated at `step()`."""
+        return [(self.dense_group, self.rule)] + [(g, self.matrix_rule) for g in self.param_groups[2:]]
+
+    def _dense_params(self) -> list[Tensor]:
+        """Every dense parameter, in model order (the order the dense norm sums in)."""
+        flat = [p for g in self.param_groups for p in g["params"]]
+        experts = {id(p) for p in self.expert_group["params"]}
+        ranked = sorted(zip(self._norm_rank, flat, strict=True), key=lambda rp: rp[0])
+        return [p for _, p in ranked if id(p) not in experts]
+
+    def _state(self, param: Tensor, *, expert: str | None = None, rule: Any = None) -> dict[str, Any]:
         state = self.state[param]
         if not state:
-            (self.expert_rule if expert else self.rule).init_state(param, state)
+            (rule or (self.expert_rule if expert else self.rule)).init_state(param, state)
             if expert:
                 self._fresh.add(expert)
         return state
@@ -154,8 +179,9 @@ class SonarOptimizer(torch.optim.Optimizer):
     def init_state(self) -> None:
         """Create every tensor's state now (zeros, as before its first update), so that a sharded
         checkpoint (torch.distributed.checkpoint) has a template to load into."""
-        for p in self.dense_group["params"]:
-            self._state(p)
+        for group, rule in self._dense_updates():
+            for p in group["params"]:
+                self._state(p, rule=rule)
         for p in self.expert_group["params"]:
             self._state(p, expert=self._names[id(p)])
         self._fresh.clear()  # a template, not a first update that a skipped step would undo
@@ -292,8 +318,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
             return
-        group = self.dense_group
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in self._dense_params() if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         norms = self.clipper.current
         if grads and norms.dense is None:
@@ -306,8 +331,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         clip_by = norms.total if self.cfg.expert_clip == "global" else norms.dense
         if self.cfg.clips and clip_by is not None and grads:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, clip_by)  # type: ignore[arg-type]
-        states = [self._state(p) for p in params]
-        self.rule.update_(params, grads, states, group)
+        for group, rule in self._dense_updates():
+            stepped = [p for p in group["params"] if p.grad is not None]
+            states = [self._state(p, rule=rule) for p in stepped]
+            rule.update_(stepped, [p.grad for p in stepped], states, group)
         self._end_step()
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
@@ -363,13 +390,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Between the passes: the global norm and clip coefficient; the experts pass 2 must update
         (None: the step is skipped for a non-finite norm)."""
         norms = self.clipper.current
-        dense = [p for p in self.dense_group["params"] if p.grad is not None]
-        dense_norms = torch._foreach_norm([p.grad for p in dense], 2.0) if dense else []
+        dense = [p for p in self._dense_params() if p.grad is not None]
+        dense_norms = torch._foreach_norm([p.grad for p in dense if p.grad is not None], 2.0) if dense else []
         by_param: dict[int, Tensor] = {id(p): n for p, n in zip(dense, dense_norms, strict=True)}
         names = {name: pid for pid, name in self._names.items()}
         experts = [p for p in self.expert_group["params"] if self._names[id(p)] in norms.experts]
         by_param.update({names[n]: self.clipper.clip_norm(n) for n in norms.experts})
-        flat = [*self.dense_group["params"], *self.expert_group["params"]]
+        flat = [p for g in self.param_groups for p in g["params"]]
         rank = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
         in_order = sorted(by_param, key=rank.__getitem__)
         ordered = [by_param[pid] for pid in in_order]
@@ -384,7 +411,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.nonfinite == "ignore" or bool(torch.isfinite(norms.total)):  # one sync per step
             return experts
         bad = [n for n, v in norms.experts.items() if not bool(torch.isfinite(v))]
-        bad += [self._dense_name(i) for i, p in enumerate(self.dense_group["params"]) if not _finite(p.grad)]
+        bad += [self._dense_name(i) for i, p in enumerate(self._dense_params()) if not _finite(p.grad)]
         if self.nonfinite == "raise":
             self.clipper.abandon()
             raise NonFiniteGradientError(
@@ -402,7 +429,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "expert_clip='global'); report() counts every skip.",
                 stacklevel=3,
             )
-        for p in self.dense_group["params"]:
+        for p in self._dense_params():
             p.grad = None
         self.clipper.skip_step = True
         return None

@@ -1,25 +1,31 @@
-"""Update rules: how one element-wise optimizer updates tensors, chosen from the config type.
+"""Update rules: how one optimizer updates tensors, chosen from the config type.
 
 A rule is small and stateless: the hyper-parameters its param groups carry, the state a tensor needs,
 the fused multi-tensor update (the same calls torch's end-of-step optimizer makes), the per-expert
 ablation, and the end-of-step torch optimizer it must equal (its "twin", which the baselines train
 with). `SonarOptimizer` runs a rule on one expert tensor inside backward and on the dense tensors at
 `step()`. Hyper-parameters are read from the param group when the update runs, as Python floats
-(never baked into a graph), so LR schedulers drive them without recompiling.
+(never baked into a graph), so LR schedulers drive them without recompiling. Muon is per matrix, not
+element-wise: its config names three rules (AdamW for the ordinary dense tensors, Muon for the expert
+tensors and for the hidden matrices, `matrix_rule_for`), and its twin is `muon.MuonTwin`.
 Never: decide WHEN an update runs, or clip (see `norms`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
+from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
+from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim.adamw import fused_adamw_, grad_like_param
 from sonar_fx.optim.lion import LionRef, lion_
 from sonar_fx.optim.lowbit import LowBitAdamRule
+from sonar_fx.optim.muon import MuonTwin, muon_, muon_defaults, muon_hyper
 from sonar_fx.optim.sgd import fused_sgd_, torch_sgd
 from sonar_fx.optim.update_rule import State, UpdateRule
 
@@ -32,6 +38,8 @@ class AdamRule(UpdateRule):
         self.name = "adamw" if decoupled else "adam"
 
     def defaults(self, cfg: OptimizerConfig) -> dict[str, Any]:
+        if isinstance(cfg, MuonConfig):
+            cfg = cfg.adamw  # the recipe's AdamW half
         assert isinstance(cfg, (AdamWConfig, AdamConfig))
         return dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -129,9 +137,67 @@ class LionRule(UpdateRule):
         return LionRef(params, **self.defaults(cfg))
 
 
+class MuonRule(UpdateRule):
+    """Muon per matrix (see `sonar_fx.optim.muon`): an expert tensor (E, A, B) is E matrices, updated
+    with one batched Newton-Schulz; a 2-D tensor is one matrix. The per-expert ablation (the base
+    class's `update_slices_`) runs it on each 2-D slice: torch.optim.Muon's calls, matrix by matrix."""
+
+    name = "muon"
+
+    def defaults(self, cfg: OptimizerConfig) -> dict[str, Any]:
+        assert isinstance(cfg, MuonConfig)
+        return muon_defaults(cfg)
+
+    def init_state(self, param: Tensor, state: State) -> None:
+        # torch.optim.Muon's only state: the momentum buffer, zeros in the param's dtype and layout.
+        state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def update_(self, params, grads, states, group, *, found_inf=None):
+        muon_(params, grads, [s["momentum_buffer"] for s in states], found_inf=found_inf, **muon_hyper(group))
+
+    def check_experts(self, layers: Sequence[ExpertLayer]) -> None:
+        for layer in layers:
+            for t in layer.tensors:
+                if t.role == "bias":
+                    raise SonarUsageError(
+                        f"{t.name} is a per-expert bias, which Muon (a matrix optimizer) does not update: "
+                        "train per-expert biases with the dense AdamW tensors, expert_biases='dense' in "
+                        "sonar_fx.compile / prepare."
+                    )
+                if t.param.dim() != 3 or tuple(t.param.shape) != tuple(t.expert_shape):
+                    raise SonarUsageError(
+                        f"{t.name} has shape {tuple(t.param.shape)} (experts as {tuple(t.expert_shape)}): "
+                        "Muon updates batched (E, out, in) expert tensors, one matrix per expert; a fused or "
+                        "flattened layout has no matrix per expert to orthogonalise. Use AdamWConfig for it."
+                    )
+
+    def torch_optimizer(self, params, cfg):
+        assert isinstance(cfg, MuonConfig)
+        return MuonTwin(params, cfg, matrices=params)
+
+
+def end_of_step_optimizer(
+    cfg: OptimizerConfig, params: Sequence[nn.Parameter], *, matrices: Collection[Tensor] = ()
+) -> torch.optim.Optimizer:
+    """The end-of-step optimizer over `params` that Sonar with `cfg` equals bitwise (its twin);
+    `matrices`: the tensors of `params` a config with a matrix rule (Muon) updates as matrices (hidden
+    2-D matrices and expert tensors); the rest take the config's dense rule."""
+    if isinstance(cfg, MuonConfig):
+        return MuonTwin(params, cfg, matrices=matrices)
+    return rule_for(cfg).torch_optimizer(params, cfg)
+
+
+def matrix_rule_for(cfg: OptimizerConfig) -> UpdateRule | None:
+    """The end-of-step rule of the hidden 2-D matrices when `cfg` updates them apart from the other
+    dense tensors (Muon), else None (they take `rule_for(cfg)` with the rest)."""
+    return MuonRule() if isinstance(cfg, MuonConfig) else None
+
+
 def rule_for(cfg: OptimizerConfig, *, experts: bool = False) -> UpdateRule:
-    """The rule of `cfg`'s optimizer; `experts=True`: the rule of the expert tensors (low-bit states
-    when `cfg.state_bits` asks for them)."""
+    """The rule of `cfg`'s dense tensors; `experts=True`: the rule of the expert tensors (low-bit states
+    when `cfg.state_bits` asks for them; Muon for MuonConfig, whose dense rule is AdamW)."""
+    if isinstance(cfg, MuonConfig):
+        return MuonRule() if experts else AdamRule(decoupled=True)
     if experts and getattr(cfg, "state_bits", 32) != 32:
         return LowBitAdamRule(bits=cfg.state_bits, decoupled=isinstance(cfg, AdamWConfig))  # type: ignore[union-attr]
     if isinstance(cfg, AdamWConfig):
@@ -143,7 +209,8 @@ def rule_for(cfg: OptimizerConfig, *, experts: bool = False) -> UpdateRule:
     if isinstance(cfg, LionConfig):
         return LionRule()
     raise TypeError(
-        f"optimizer config must be one of sonar_fx.AdamWConfig, AdamConfig, SGDConfig, LionConfig; got "
-        f"{type(cfg).__name__}. Sonar updates each expert tensor alone during backward, which is exact only "
-        "for an element-wise optimizer: build one, e.g. sonar_fx.AdamWConfig(lr=..., max_grad_norm=...)."
+        "optimizer config must be one of sonar_fx.AdamWConfig, AdamConfig, SGDConfig, LionConfig, "
+        f"MuonConfig; got {type(cfg).__name__}. Sonar updates each expert tensor alone during backward, "
+        "which is exact only for an optimizer whose update of a tensor needs that tensor's gradient alone: "
+        "build one, e.g. sonar_fx.AdamWConfig(lr=..., max_grad_norm=...)."
     )

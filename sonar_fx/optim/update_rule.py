@@ -1,8 +1,9 @@
-"""The interface of an update rule: how one element-wise optimizer updates tensors.
+"""The interface of an update rule: how one optimizer updates tensors, each from its own gradient.
 
 A rule is small and stateless: the hyper-parameters its param groups carry, the state a tensor needs,
 the fused multi-tensor update, the per-expert ablation, and the end-of-step torch optimizer it must
-equal (its "twin"). The rules themselves live in `rules` (fp32 states) and `lowbit` (torchao states).
+equal (its "twin"). The rules themselves live in `rules` (fp32 states; Muon's math in `muon`) and
+`lowbit` (torchao states).
 Never: decide WHEN an update runs, or clip.
 """
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.experts.discovery import ExpertLayer
 from sonar_fx.optim.adamw import grad_like_param
 
 State = dict[str, Any]
@@ -47,6 +49,10 @@ class UpdateRule(ABC):
     ) -> None:
         """Update every tensor of `params` with its gradient, in place; `found_inf` (0-d float32,
         1.0 = skip) leaves them all untouched without a host sync."""
+
+    def check_experts(self, layers: Sequence[ExpertLayer]) -> None:
+        """Refuse expert tensors this rule cannot update in backward, naming the fix (default: none)."""
+        return
 
     def update_slices_(
         self, param: Tensor, grad: Tensor, state: State, group: dict[str, Any], *, found_inf: Tensor | None

@@ -29,6 +29,9 @@ FLAGS: dict[str, str] = {
     "sonar_pass": "--hooks-on-compiled",
     "data": "--data",
     "world_size": "torchrun --nproc-per-node",
+    # MuonConfig's AdamW half takes the Adam(W) flags
+    "adamw_betas": "--betas",
+    "adamw_eps": "--eps",
 }
 """Config field -> flag, where the flag is not `--` + the field with dashes."""
 
@@ -74,17 +77,21 @@ class TrainConfig:
     min_lr: float = 0.0
     """The cosine decay ends at this LR on the last step."""
     optimizer: str = "adamw"
-    """One of `sonar_fx.config.OPTIMIZER_CONFIGS`: adamw, adam (L2 decay), sgd, lion."""
+    """One of `sonar_fx.config.OPTIMIZER_CONFIGS`: adamw, adam (L2 decay), sgd, lion, muon."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """Adam(W) moments; Lion's interpolation (beta1) and momentum (beta2) decays."""
+    """Adam(W) moments (Muon: of its AdamW tensors); Lion's interpolation (beta1) and momentum (beta2)
+    decays."""
     eps: float = 1e-8
+    """Adam(W)'s denominator term (Muon: of its AdamW tensors)."""
     weight_decay: float = 0.0
-    momentum: float = 0.0
-    """SGD only."""
+    momentum: float | None = None
+    """SGD (None: 0.0) and Muon (None: 0.95)."""
     dampening: float = 0.0
     """SGD only."""
-    nesterov: bool = False
-    """SGD only."""
+    nesterov: bool | None = None
+    """SGD (None: False) and Muon (None: True)."""
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    """Muon only: how a matrix's shape scales its LR (None: "original")."""
     max_grad_norm: float | None = 1.0
     """Global-norm clip (which gradients it covers is the method's); None: no clipping."""
     expert_clip: ExpertClip = None
@@ -138,8 +145,8 @@ class TrainConfig:
 IDENTITY_FIELDS = (
     "model", "model_overrides", "dtype", "method", "steps", "batch_size", "max_len", "lr", "warmup",
     "min_lr", "optimizer", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov",
-    "max_grad_norm", "expert_clip", "state_bits", "seed", "train_size", "held_out", "pad_to_max_len",
-    "deterministic",
+    "adjust_lr_fn", "max_grad_norm", "expert_clip", "state_bits", "seed", "train_size", "held_out",
+    "pad_to_max_len", "deterministic",
 )  # fmt: skip
 """Fields a resumed run must share with the run that wrote the checkpoint (plus the execution mode and
 the data hash): any difference would change the arithmetic of the remaining steps."""

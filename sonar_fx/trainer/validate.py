@@ -110,14 +110,22 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     fields: dict[str, Any] = dict(
         lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, expert_clip=cfg.expert_clip
     )
+    momentum, nesterov = resolved_momentum(cfg)
     by_optimizer: dict[str, dict[str, Any]] = {
         "adamw": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
         "adam": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
-        "sgd": dict(momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov),
+        "sgd": dict(momentum=momentum, dampening=cfg.dampening, nesterov=nesterov),
         "lion": dict(betas=cfg.betas),
+        "muon": dict(
+            momentum=momentum,
+            nesterov=nesterov,
+            adjust_lr_fn=cfg.adjust_lr_fn,
+            adamw_betas=cfg.betas,
+            adamw_eps=cfg.eps,
+        ),
     }
     extra = by_optimizer[cfg.optimizer]
-    _refuse_unused(cfg, extra)
+    _refuse_unused(cfg, {name.removeprefix("adamw_") for name in extra})
     try:
         opt_cfg = kind(**fields, **extra)
         Method.named(cfg.method).check_clip(opt_cfg)
@@ -129,16 +137,28 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     return opt_cfg
 
 
-def _refuse_unused(cfg: TrainConfig, used: dict[str, Any]) -> None:
+def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
+    """--momentum and --nesterov, or the optimizer's defaults for them (Muon: 0.95 and Nesterov;
+    otherwise 0.0 and no Nesterov, SGD's)."""
+    muon = cfg.optimizer == "muon"
+    momentum = cfg.momentum if cfg.momentum is not None else (0.95 if muon else 0.0)
+    nesterov = cfg.nesterov if cfg.nesterov is not None else muon
+    return momentum, nesterov
+
+
+def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
     """A flag the chosen optimizer has no use for is refused, not silently dropped."""
     defaults = TrainConfig()
-    for name in ("betas", "eps", "momentum", "dampening", "nesterov", "state_bits"):
-        if name not in used and getattr(cfg, name) != getattr(defaults, name):
+    # What "not given" looks like: the default, or what `resolve` makes of it (0.0 and False, as before).
+    unset = {"momentum": (None, 0.0), "nesterov": (None, False)}
+    for name in ("betas", "eps", "momentum", "dampening", "nesterov", "state_bits", "adjust_lr_fn"):
+        if name not in used and getattr(cfg, name) not in unset.get(name, (getattr(defaults, name),)):
             flag = flag_of(name)
             raise ConfigError(
-                f"{flag} does not apply to --optimizer {cfg.optimizer} (betas are Adam(W)'s and Lion's, eps "
-                "and state bits Adam(W)'s, momentum, dampening and nesterov SGD's); drop it or pick the "
-                "optimizer it belongs to",
+                f"{flag} does not apply to --optimizer {cfg.optimizer} (betas are Adam(W)'s, Lion's and "
+                "Muon's AdamW half's, eps Adam(W)'s and Muon's AdamW half's, state bits Adam(W)'s, "
+                "momentum and nesterov SGD's and Muon's, dampening SGD's, adjust-lr-fn Muon's); drop it or "
+                "pick the optimizer it belongs to",
                 flag=flag,
             )
 
@@ -262,8 +282,11 @@ def resolve(
         raise ConfigError(
             f"--min-lr {cfg.min_lr} is above --lr {lr}: the cosine decays down to --min-lr", flag="--min-lr"
         )
+    momentum, nesterov = resolved_momentum(cfg)
     resolved = dataclasses.replace(
         cfg,
+        momentum=momentum,
+        nesterov=nesterov,
         device=device,
         steps=steps,
         lr=lr,
