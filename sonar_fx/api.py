@@ -173,12 +173,13 @@ def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradRedu
             f"expert_clip={opt_cfg.expert_clip!r} is not supported with sonar_fx.distributed "
             f"({distributed.name}): train with expert_clip=None (dense gradients clipped, as in the paper)."
         )
-    state_bits = getattr(opt_cfg, "state_bits", 32)
-    if state_bits != 32:
-        raise SonarUsageError(
-            f"state_bits={state_bits} is not supported with sonar_fx.distributed "
-            f"({distributed.name}): train with state_bits=32."
-        )
+    for field in ("state_bits", "dense_state_bits"):
+        bits = getattr(opt_cfg, field, 32)
+        if bits != 32:
+            raise SonarUsageError(
+                f"{field}={bits} is not supported with sonar_fx.distributed "
+                f"({distributed.name}): train with {field}=32."
+            )
 
 
 def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:

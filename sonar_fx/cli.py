@@ -1,4 +1,5 @@
-"""Command line: `sonar-fx finetune ...` (one fine-tuning run) and `sonar-fx demo` (the comparison).
+"""Command line: `sonar-fx finetune ...` (one fine-tuning run), `sonar-fx demo` (the comparison),
+`sonar-fx inspect` (what discovery finds) and `sonar-fx plan` (a step's memory, predicted).
 
 For: turning flags into a `TrainConfig` / `DemoConfig`, bad input into one clear line on stderr
 before anything trains, and what happened into the exit status:
@@ -27,6 +28,7 @@ from sonar_fx.experts.report import add_inspect_flags, inspect_command
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.optim.optimizer import NONFINITE
+from sonar_fx.planner.report import add_plan_flags, plan_command
 from sonar_fx.trainer import (
     DTYPES,
     CheckpointError,
@@ -53,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _finetune(args)
         if args.command == "inspect":
             return inspect_command(args)
+        if args.command == "plan":
+            return plan_command(args)
         return _demo(args)
     except USER_ERRORS as exc:
         _error(args, str(exc))
@@ -87,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_inspect_flags(
         sub.add_parser("inspect", help="list the expert tensors Sonar finds in a model (no training)")
+    )
+    add_plan_flags(
+        sub.add_parser("plan", help="predict a training step's peak memory per method (fake tensors)")
     )
     return parser
 

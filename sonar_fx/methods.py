@@ -160,14 +160,18 @@ def build_method(
         return TrainingMethod(name, execution, run, optimizer)
     run = _compiled(model, execution.compiler) if execution.compiled else model
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "oib_all":
+    # Expert states stored unlike dense ones (low-bit): the experts get their own optimizer(s).
+    split = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
+    if name == "oib_all" and not split:
         return TrainingMethod(name, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
     biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
     layers = discover_experts(model, experts, expert_biases=biases)
     expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
+    if name == "oib_all":
+        hooked = _hook_every_param(params, cfg, expert_ids)
+        return TrainingMethod(name, execution, run, None, hook_optimizers=hooked)
     dense = [p for p in params if id(p) not in expert_ids]
     expert_params = [p for p in params if id(p) in expert_ids]
-    split = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
     baseline = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
     expert_optimizer = rule_for(cfg, experts=True).torch_optimizer(expert_params, cfg) if split else None
     clip = params if name == "standard" else dense
@@ -212,9 +216,13 @@ def _compiled(model: nn.Module, compiler: str) -> Callable[..., Any]:
     return torch.compile(model, backend=compiler)
 
 
-def _hook_every_param(params: list[nn.Parameter], cfg: OptimizerConfig) -> dict[int, torch.optim.Optimizer]:
-    rule = rule_for(cfg)
-    optimizers: dict[int, torch.optim.Optimizer] = {id(p): rule.torch_optimizer([p], cfg) for p in params}
+def _hook_every_param(
+    params: list[nn.Parameter], cfg: OptimizerConfig, expert_ids: frozenset[int] | set[int] = frozenset()
+) -> dict[int, torch.optim.Optimizer]:
+    dense_rule, expert_rule = rule_for(cfg), rule_for(cfg, experts=True)  # states stored as Sonar's
+    optimizers: dict[int, torch.optim.Optimizer] = {
+        id(p): (expert_rule if id(p) in expert_ids else dense_rule).torch_optimizer([p], cfg) for p in params
+    }
 
     def step_and_free(p: Tensor) -> None:
         optimizers[id(p)].step()

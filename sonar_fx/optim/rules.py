@@ -130,10 +130,11 @@ class LionRule(UpdateRule):
 
 
 def rule_for(cfg: OptimizerConfig, *, experts: bool = False) -> UpdateRule:
-    """The rule of `cfg`'s optimizer; `experts=True`: the rule of the expert tensors (low-bit states
-    when `cfg.state_bits` asks for them)."""
-    if experts and getattr(cfg, "state_bits", 32) != 32:
-        return LowBitAdamRule(bits=cfg.state_bits, decoupled=isinstance(cfg, AdamWConfig))  # type: ignore[union-attr]
+    """The rule of `cfg`'s optimizer for the dense tensors, or with `experts=True` for the expert
+    tensors: low-bit states when `cfg.dense_state_bits` / `cfg.state_bits` ask for them."""
+    bits = getattr(cfg, "state_bits" if experts else "dense_state_bits", 32)
+    if bits != 32:
+        return LowBitAdamRule(bits=bits, decoupled=isinstance(cfg, AdamWConfig))
     if isinstance(cfg, AdamWConfig):
         return AdamRule(decoupled=True)
     if isinstance(cfg, AdamConfig):
