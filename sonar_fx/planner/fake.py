@@ -97,12 +97,15 @@ class PlanFakeMode(FakeTensorMode):
         """Compute `out`'s values when every tensor input's are known (or there are none: a constant
         made from Python numbers); forget an output (an in-place op's target) whose new value depends
         on an unknown input."""
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
-        unknown = any(self._value(t) is None for t in inputs)
+        inputs = [*_tensors(args), *_tensors(kwargs.values())]
+        outputs = [*_tensors(out if isinstance(out, (tuple, list)) else (out,))]
         unset = func._schema.name.startswith("aten::empty") or torch.Tag.nondeterministic_seeded in func.tags
-        if unknown or (not inputs and unset) or any(t.numel() > KNOWN_NUMEL_LIMIT for t in outputs):
-            for t in outputs:
+        if (
+            any(self._value(t) is None for t in inputs)
+            or (not inputs and unset)
+            or any(t.numel() > KNOWN_NUMEL_LIMIT for t in outputs)
+        ):
+            for t in _written(func, args, kwargs):  # a known tensor it writes to is known no longer
                 self.known.pop(t, None)
             return
         real_args, real_kwargs = tree_map_only(Tensor, self._value, (args, kwargs))
@@ -119,6 +122,24 @@ class PlanFakeMode(FakeTensorMode):
     def _remember(self, fake: Any, value: Tensor) -> None:
         if isinstance(fake, Tensor) and fake.numel() <= KNOWN_NUMEL_LIMIT:
             self.known[fake] = value
+
+
+def _tensors(values: Any) -> Iterator[Tensor]:
+    """The tensors among an op's arguments (or results): tensors and lists of tensors."""
+    for v in values:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, Tensor))
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> Iterator[Tensor]:
+    """The tensors an op writes to (its schema's mutable arguments)."""
+    if not func._schema.is_mutable:
+        return
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            yield from _tensors((args[i] if i < len(args) else kwargs.get(arg.name),))
 
 
 def _is_finiteness_test(func: Any, args: Any) -> bool:

@@ -81,6 +81,8 @@ class Plan:
     budget_bytes: int | None = None
     seconds: float = 0.0
     """Wall time the plan took."""
+    cpu_seconds: float = 0.0
+    """CPU time this process spent on it (on a shared machine, the part of `seconds` that was its own)."""
     execution: str = EXECUTION
 
     def method(self, name: str) -> MethodPlan:
@@ -119,7 +121,7 @@ def plan(
     """Predict the peak allocated memory of one training step (step 2: optimizer states alive) of
     `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
     "46GiB"), also the largest batch that fits. See the module docstring and docs/plan.md."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
     _check_request(batch, seq, device, methods, cfg)
     budget_bytes = parse_bytes(budget) if budget is not None else None
@@ -145,6 +147,7 @@ def plan(
         model=source.name, batch=batch, seq=seq, dtype=str(torch_dtype).removeprefix("torch."), device=device,
         gradient_checkpointing=gradient_checkpointing, optimizer=_cfg_fields(cfg), expert_grad=expert_grad,
         methods=planned, budget_bytes=budget_bytes, seconds=time.perf_counter() - started,
+        cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
 
 
@@ -211,12 +214,15 @@ def _no_fit(planned: list[MethodPlan], budget: int, seq: int, asked: str) -> str
     best = min(planned, key=lambda m: m.batch_peaks.get(1, m.peak_allocated_bytes))
     need = best.batch_peaks.get(1, best.peak_allocated_bytes)
     return (
-        f"--budget {asked} ({budget / 1e9:.2f} GB) fits no batch for any method at seq {seq}: the closest is "
-        f"{best.method}, which needs {need / 1e9:.2f} GB at batch 1 "
-        f"({best.categories['weights'] / 1e9:.2f} GB of weights, "
-        f"{best.categories['optimizer_states'] / 1e9:.2f} GB of optimizer states). Raise the budget, "
+        f"--budget {asked} ({_size(budget)}) fits no batch for any method at seq {seq}: the closest is "
+        f"{best.method}, which needs {_size(need)} at batch 1 ({_size(best.categories['weights'])} of "
+        f"weights, {_size(best.categories['optimizer_states'])} of optimizer states). Raise the budget, "
         "shorten --seq, or store states in 8 bits (--state-bits 8 --dense-state-bits 8)."
     )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -124,7 +124,7 @@ def format_plan(p: Plan) -> str:
         f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "
         f"{p.expert_grad.total / scale:.2f} {unit} minus one layer "
         f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}.",
-        f"Planned: {p.execution}, on fake tensors in {p.seconds:.0f} s.",
+        f"Planned: {p.execution}, on fake tensors in {p.seconds:.0f} s ({p.cpu_seconds:.0f} s of CPU).",
     ])  # fmt: skip
 
 
