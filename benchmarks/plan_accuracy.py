@@ -466,8 +466,9 @@ def goals(
 def cost_table(plans: dict[str, Plan]) -> Table:
     body = [[key.replace("|", ", "), str(p.batch), ", ".join(m.method for m in p.methods), f"{p.seconds:.0f}",
              f"{p.cpu_seconds:.0f}"] for key, p in plans.items()]  # fmt: skip
-    return Table(title="What each full-size plan cost", headers=["plan", "batch", "methods", "wall s", "CPU s"],
-                 rows=body, note="Fake tensors: no arithmetic, no memory; the time is Python dispatch.")  # fmt: skip
+    headers = ["plan", "batch", "methods", "wall s", "CPU s"]
+    note = "Fake tensors do no arithmetic and hold no memory: the time is Python dispatch (and load)."
+    return Table(title="What each full-size plan cost", headers=headers, rows=body, note=note)
 
 
 def _pct(x: float | None) -> str:
