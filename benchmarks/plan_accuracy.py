@@ -34,6 +34,7 @@ from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import Plan, plan
+from sonar_fx.planner.run import enable_checkpointing
 from sonar_fx.workload import random_batches
 
 SCRIPT = "plan_accuracy"
@@ -216,7 +217,7 @@ def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
     for name in methods:
         model = build_model(family.base, dtype=dtype, seed=0, **family.overrides).train()
         if case.checkpointing:
-            model.gradient_checkpointing_enable()  # type: ignore[operator]
+            enable_checkpointing(model, case.label)
         method = build_method(name, model, cfg)
         first, second = random_batches(2, batch=case.batch, seq=case.seq)
         method.train_step(first)  # creates the optimizer states, as the plan's first step does

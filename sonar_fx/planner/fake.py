@@ -1,8 +1,8 @@
 """Running a real training step on fake tensors: the planner's fake mode and its stand-ins.
 
 For: `sonar_fx.planner`, which runs the training step of a real-size model with no memory allocated.
-Three things a real step does cannot run as they are on fake tensors; each is handled so that no
-allocation of the step changes:
+What a real step does that cannot run as it is on fake tensors is handled so that no allocation of
+the step changes:
 - Weights: the model is built on the `meta` device, then each parameter and buffer gets fake storage
   of its shape, dtype and strides (`fake_parameters`); tied parameters stay tied.
 - Host reads of a tensor's value (`bool(t)`, `.item()`, `.tolist()`): Sonar's non-finite flags and the
@@ -17,6 +17,10 @@ allocation of the step changes:
   low-bit rule), is replaced while planning by `lowbit_update_buffers`, which allocates what inductor's
   kernel for it allocates (read from its generated CPU code, tested against a measured call) and
   changes nothing else; anything else compiled is refused with `PlanError`.
+- Paths chosen for fake tensors: transformers treats a fake tensor as a trace and then builds the causal
+  mask a real step leaves to SDPA's `is_causal` (`real_step_paths` makes it see the real step's
+  inputs); torch's meta function for `_grouped_mm` knows only bf16, while the CPU kernel also runs fp32
+  (`PlanFakeMode` gives the fp32 output the kernel gives).
 A CPU-only torch cannot run autograd on fake `cuda` tensors (autograd asks the CUDA device guard for a
 stream and the process aborts), so the fake tensors live on the CPU; the tracker counts them as the
 target device's allocator would (see `tracker`).

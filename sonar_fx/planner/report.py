@@ -46,7 +46,11 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         metavar="METHOD",
         help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}; also: sonar_8bit, sonar_global_clip)",
     )
-    add("--gradient-checkpointing", action="store_true", help="HF gradient_checkpointing_enable()")
+    add(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="transformers activation_checkpointing_enable() (gradient checkpointing)",
+    )
     add("--state-bits", type=int, choices=STATE_BITS, default=32, help="bits of the expert tensors' moments")
     add(
         "--dense-state-bits",

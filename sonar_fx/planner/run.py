@@ -67,9 +67,7 @@ class MethodRun:
         self.vocab = _vocab_size(source)
         model = source.build(dtype)
         if gradient_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise PlanError(f"{source.name}: gradient checkpointing needs a transformers model.")
-            model.gradient_checkpointing_enable()  # type: ignore[operator]
+            enable_checkpointing(model, source.name)
         self.model = fake_parameters(model, self.mode)
         base, fields = PLAN_METHODS[method]
         with self._planning():
@@ -98,6 +96,14 @@ class MethodRun:
     def _batch(self, batch: int, seq: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, self.vocab, (batch, seq))
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+def enable_checkpointing(model: torch.nn.Module, name: str) -> None:
+    """transformers' activation (gradient) checkpointing, with its default settings (non-reentrant)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        raise PlanError(f"{name}: gradient checkpointing needs a transformers model.")
+    enable()
 
 
 def method_config(base: str, cfg: OptimizerConfig, fields: dict[str, object]) -> OptimizerConfig:
