@@ -41,6 +41,7 @@ SCRIPT = "plan_accuracy"
 DOC = Path("docs/plan.md")
 START, END = "<!-- plan_accuracy:start -->", "<!-- plan_accuracy:end -->"
 GB, MIB = 1e9, 2**20
+OLMOE, GRANITE = "olmoe-1b-7b", "granite-3.1-3b-a800m"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,44 +54,16 @@ class Family:
 
 
 FAMILIES = {
-    "olmoe": Family(
-        base="tiny-olmoe",
-        overrides=dict(
-            num_experts=64,
-            num_experts_per_tok=8,
-            hidden_size=384,
-            intermediate_size=192,
-            num_hidden_layers=4,
-            num_attention_heads=6,
-            num_key_value_heads=6,
-        ),
-    ),
-    "granitemoe": Family(
-        base="tiny-granitemoe",
-        overrides=dict(
-            num_local_experts=40,
-            num_experts_per_tok=8,
-            hidden_size=512,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-        ),
-    ),
-    "qwen3moe": Family(
-        base="tiny-qwen3moe",
-        overrides=dict(
-            num_experts=32,
-            num_experts_per_tok=4,
-            hidden_size=256,
-            moe_intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        ),
-    ),
-}
+    "olmoe": Family(base="tiny-olmoe", overrides=dict(
+        num_experts=64, num_experts_per_tok=8, hidden_size=384, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=6)),
+    "granitemoe": Family(base="tiny-granitemoe", overrides=dict(
+        num_local_experts=40, num_experts_per_tok=8, hidden_size=512, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+    "qwen3moe": Family(base="tiny-qwen3moe", overrides=dict(
+        num_experts=32, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +101,7 @@ CASES = (
     Case(family="qwen3moe", batch=2, checkpointing=True, state_bits=8),
     Case(family="qwen3moe", batch=4, dtype="fp32"),
     Case(family="qwen3moe", batch=2, dtype="fp32", checkpointing=True),
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,34 +119,19 @@ class PaperRow:
 
 
 PAPER_ROWS = (
-    PaperRow(model="olmoe-1b-7b", label="standard (global clip)", method="standard", paper_gb=55.55),
-    PaperRow(
-        model="olmoe-1b-7b",
-        label="standard, dense-only clip",
-        method="standard_no_expert_clip",
-        paper_gb=55.55,
-    ),
-    PaperRow(
-        model="olmoe-1b-7b", label="optimizer-in-backward, all parameters", method="oib_all", paper_gb=43.35
-    ),
-    PaperRow(model="olmoe-1b-7b", label="sonar", method="sonar", paper_gb=43.57),
-    PaperRow(
-        model="olmoe-1b-7b",
-        label="standard + checkpointing",
-        method="standard",
-        paper_gb=55.48,
-        checkpointing=True,
-    ),
-    PaperRow(
-        model="olmoe-1b-7b", label="sonar + checkpointing", method="sonar", paper_gb=43.23, checkpointing=True
-    ),
-    PaperRow(
-        model="olmoe-1b-7b", label="8-bit AdamW (all states)", method="standard", paper_gb=41.93, state_bits=8
-    ),
-    PaperRow(model="olmoe-1b-7b", label="8-bit AdamW + sonar", method="sonar", paper_gb=29.94, state_bits=8),
-    PaperRow(model="granite-3.1-3b-a800m", label="standard (global clip)", method="standard", paper_gb=26.91),
-    PaperRow(model="granite-3.1-3b-a800m", label="sonar", method="sonar", paper_gb=21.14),
-)
+    PaperRow(model=OLMOE, label="standard (global clip)", method="standard", paper_gb=55.55),
+    PaperRow(model=OLMOE, label="standard, dense clip", method="standard_no_expert_clip", paper_gb=55.55),
+    PaperRow(model=OLMOE, label="optimizer-in-backward, all parameters", method="oib_all", paper_gb=43.35),
+    PaperRow(model=OLMOE, label="sonar", method="sonar", paper_gb=43.57),
+    PaperRow(model=OLMOE, label="standard + gradient checkpointing", method="standard", paper_gb=55.48,
+             checkpointing=True),
+    PaperRow(model=OLMOE, label="sonar + gradient checkpointing", method="sonar", paper_gb=43.23,
+             checkpointing=True),
+    PaperRow(model=OLMOE, label="8-bit AdamW (all states)", method="standard", paper_gb=41.93, state_bits=8),
+    PaperRow(model=OLMOE, label="8-bit AdamW + sonar", method="sonar", paper_gb=29.94, state_bits=8),
+    PaperRow(model=GRANITE, label="standard (global clip)", method="standard", paper_gb=26.91),
+    PaperRow(model=GRANITE, label="sonar", method="sonar", paper_gb=21.14),
+)  # fmt: skip
 PAPER_SWEEP = {2: 12.0, 8: 9.4, 16: 5.2, 32: 0.0}
 """The paper's OLMoE-1B-7B saving (standard - sonar peak, GB) by batch size."""
 
@@ -266,9 +224,7 @@ def paper_plans(cfg: Config) -> dict[str, Plan]:
         )
     for batch in (b for b in cfg.sweep if b != 2):
         print(f"planning olmoe-1b-7b at batch {batch}", flush=True)
-        plans[f"sweep-{batch}"] = plan(
-            "olmoe-1b-7b", batch=batch, seq=cfg.paper_seq, methods=["standard", "sonar"]
-        )
+        plans[f"sweep-{batch}"] = plan(OLMOE, batch=batch, seq=cfg.paper_seq, methods=["standard", "sonar"])
     return plans
 
 
@@ -368,7 +324,7 @@ def paper_table(rows: list[dict[str, Any]]) -> Table:
 def sweep_rows(cfg: Config, plans: dict[str, Plan]) -> list[dict[str, Any]]:
     rows = []
     for batch, paper in cfg.sweep.items():
-        p = plans[_key("olmoe-1b-7b", False, 32)] if batch == 2 else plans[f"sweep-{batch}"]
+        p = plans[_key(OLMOE, False, 32)] if batch == 2 else plans[f"sweep-{batch}"]
         std, sonar = p.method("standard"), p.method("sonar")
         rows.append(
             {
@@ -451,7 +407,7 @@ def goals(
                 met=len(within) == len(paper),
             )
         )
-    full = plans.get(_key("olmoe-1b-7b", False, 32))
+    full = plans.get(_key(OLMOE, False, 32))
     if full is not None and len(full.methods) >= 4:
         out.append(
             Goal(
