@@ -165,12 +165,14 @@ def test_a_budget_that_fits_nothing_names_the_closest_method(capsys):
     assert "error: unknown model 'no-such-model'" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # one inductor compile of torchao's update
-def test_lowbit_update_model_allocates_what_the_compiled_update_does():
+@pytest.mark.slow  # one inductor compile of torchao's update per shape
+@pytest.mark.parametrize("shape", [(16, 128, 512), (4, 16, 256)])  # the second: a parameter-sized copy too
+def test_lowbit_update_model_allocates_what_the_compiled_update_does(shape):
     """The plan's stand-in for torchao's compiled 8-bit update holds the bytes the real compiled update
-    allocates (on CPU: a float32 buffer and the block scales per quantized moment)."""
+    allocates (on CPU: a float32 buffer and the block scales per quantized moment, and a copy of the
+    parameter when its last dimension is the block)."""
     torchao_optim = pytest.importorskip("torchao.optim")
-    p = torch.nn.Parameter(torch.randn(16, 128, 512, dtype=torch.bfloat16))
+    p = torch.nn.Parameter(torch.randn(*shape, dtype=torch.bfloat16))
     opt = torchao_optim.AdamW8bit([p], lr=1e-3)
     for _ in range(2):
         p.grad = torch.randn_like(p)

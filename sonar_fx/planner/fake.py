@@ -31,6 +31,7 @@ replaced after planning.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import sys
 from collections.abc import Iterator
@@ -223,18 +224,38 @@ def real_step_paths() -> Iterator[None]:
         yield
 
 
+_SCRATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_scratch", default=True)
+
+
+@contextlib.contextmanager
+def lowbit_scratch(counted: bool) -> Iterator[None]:
+    """Count the low-bit update's scratch (the default) or not: `counted=False` is a what-if for a
+    kernel that keeps it in registers (benchmarks.plan_accuracy shows both against the paper)."""
+    token = _SCRATCH.set(counted)
+    try:
+        yield
+    finally:
+        _SCRATCH.reset(token)
+
+
 def lowbit_update_buffers(
     p: Tensor, grad: Tensor, step: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *args: Any
 ) -> None:
     """What inductor's kernel for torchao's low-bit Adam update allocates, on fake tensors.
 
-    The compiled update of a tensor with quantized (8-bit) moments holds, for each moment, the
-    re-quantized values in float32 (numel x 4 bytes, before they are coded) and their block scales
-    (numel / block x 4 bytes), all four at once; it updates the parameter and the states in place and
-    allocates nothing for plain (unquantized) moments. Only the allocation matters under the fake mode:
-    no value is computed.
+    Read from inductor's generated CPU code (torch 2.13) and measured on calls of the compiled update:
+    for each quantized (8-bit) moment it holds the re-quantized values in float32 (numel x 4 bytes,
+    before they are coded) and their block scales (numel / block x 4 bytes), all at once; when a 3-D
+    parameter's last dimension is the block size, it also writes the new parameter to a buffer of the
+    parameter's size before copying it back. It updates parameter and states in place and allocates
+    nothing for plain (unquantized) moments. Only the allocation matters here: no value is computed.
     """
     moments = [m for m in (exp_avg, exp_avg_sq) if hasattr(m, "codes") and hasattr(m, "scale")]
+    if not moments or not _SCRATCH.get():
+        return
+    block = moments[0].codes.numel() // moments[0].scale.numel()
     buffers = [torch.empty(m.scale.numel(), dtype=torch.float32, device=p.device) for m in moments]
     buffers += [torch.empty(m.shape.numel(), dtype=torch.float32, device=p.device) for m in moments]
+    if p.dim() == 3 and p.shape[-1] == block:
+        buffers.append(torch.empty_like(p))
     del buffers
