@@ -311,6 +311,7 @@ def paper_table(rows: list[dict[str, Any]]) -> Table:
             f"{r['predicted_gb']:.2f}",
             f"{r['paper_gb']:.2f}",
             _pct(r["predicted_gb"] / r["paper_gb"] - 1),
+            f"{r['categories']['activations'] / GB:.2f}",
             "-" if r["no_scratch_gb"] is None else f"{r['no_scratch_gb']:.2f}",
             "-" if r["no_scratch_gb"] is None else _pct(r["no_scratch_gb"] / r["paper_gb"] - 1),
         ]
@@ -325,7 +326,16 @@ def paper_table(rows: list[dict[str, Any]]) -> Table:
     )
     return Table(
         title="Plan vs the paper",
-        headers=["model", "row", "plan GB", "paper GB", "difference", "what-if: no scratch GB", "difference"],
+        headers=[
+            "model",
+            "row",
+            "plan GB",
+            "paper GB",
+            "difference",
+            "activations at the peak GB",
+            "what-if: no scratch GB",
+            "difference",
+        ],
         rows=body,
         note=note,
     )
