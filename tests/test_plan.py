@@ -188,3 +188,32 @@ def test_lowbit_update_model_allocates_what_the_compiled_update_does(shape):
         with tracker:
             lowbit_update_buffers(fake, grad, step, state["exp_avg"], state["exp_avg_sq"])
     assert tracker.peak_bytes() - start == peak.peak_bytes
+
+
+def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
+    """benchmarks.plan_accuracy's bookkeeping on hand-made records: errors, goals, the doc section."""
+    from benchmarks import common, plan_accuracy
+
+    records = [
+        dict(label="c", method="standard", measured_transient=1000, predicted_transient=1010,
+             measured_start=9000, predicted_peak=10010),
+        dict(label="c", method="sonar", measured_transient=400, predicted_transient=400,
+             measured_start=9000, predicted_peak=9400),
+    ]  # fmt: skip
+    (row,) = plan_accuracy.accuracy_rows(records)
+    assert row["standard_error"] == pytest.approx(0.01) and row["sonar_error"] == 0
+    assert row["saving_error"] == pytest.approx(10 / 600) and row["standard_abs_error"] == pytest.approx(
+        0.001
+    )
+    cfg = plan_accuracy.Config(tolerance=0.005)
+    goals = plan_accuracy.goals(cfg, [row], [], {})
+    assert [g.met for g in goals] == [False, True]  # 1% misses 0.5%; the saving is within 5%
+    doc = tmp_path / "plan.md"
+    doc.write_text(f"before\n{plan_accuracy.START}\nold\n{plan_accuracy.END}\nafter\n")
+    inv = common.Invocation(
+        script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=common.environment()
+    )
+    plan_accuracy.write_doc(inv, [plan_accuracy.accuracy_table([row], cfg.methods)], goals, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "+1.00%" in text and "MISSED" in text
