@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Plan, by_label, run_arms
+from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, by_label, run_arms
 from benchmarks.common import Table, mib
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, ratio
-from sonar_fx.methods import TrainingMethod
+from sonar_fx.methods import Execution, TrainingMethod
 from sonar_fx.workload import Batch, make_batches
 
 SCRIPT = "accumulation"
@@ -36,7 +36,8 @@ class Config:
     seq: int = 64
     dtype: str = "bfloat16"
     plan: Plan = field(default_factory=lambda: Plan(warmup=1, rounds=5, held_out_batches=2))
-    executions: tuple[str, ...] = ("eager", "compiled")
+    executions: tuple[Execution, ...] = (EAGER, COMPILED)
+    """Eager (Sonar by hooks) and compiled (Sonar's pass), each against standard in the same execution."""
     lr: float = 1e-3
 
 
@@ -47,8 +48,7 @@ def arms_for(cfg: Config, a: int) -> list[Arm]:
     acc = "per_microbatch" if a > 1 else None
     arms = []
     for ex in cfg.executions:
-        arms.append(Arm(method="standard", mode="eager" if ex == "eager" else "compiled"))
-        arms.append(Arm(method="sonar", mode="eager" if ex == "eager" else "pass", accumulation=acc))
+        arms += [Arm(method="standard", execution=ex), Arm(method="sonar", execution=ex, accumulation=acc)]
     return arms
 
 
@@ -86,7 +86,7 @@ def _rows(a: int, cfg: Config, results: list[ArmResult]) -> list[list[str]]:
     named = by_label(results)
     rows = []
     for r in results:
-        base = named.get("standard · eager" if r.arm.mode == "eager" else "standard · compiled")
+        base = named.get(r.arm.baseline().label)
         if not r.ok or base is None or not base.ok:
             rows.append([str(a), r.label, f"failed: {r.error or 'baseline failed'}", *["-"] * 6])
             continue

@@ -15,26 +15,30 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from sonar_fx.api import Compiler
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import ArmResult as MeasuredArm
 from sonar_fx.measure import StepFn, measure_arm, run_rounds, side_by_side
 from sonar_fx.memory import ExpertGradBytes, state_bytes
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Execution, Method, TrainingMethod, build_method
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.workload import Batch, held_out_loss
 
-Mode = Literal["eager", "compiled", "pass"]
 MethodStep = Callable[[TrainingMethod, Any], Any]
 """One step of a method on a batch (default: `TrainingMethod.train_step`)."""
-HOOKED = ("oib_all", "sonar", "sonar_per_expert")
+EAGER = Execution()
+COMPILED = Execution(compiler="inductor")
+"""Compiled with inductor: Sonar with its in-graph pass, every other method as torch.compile makes it."""
+HOOKS_ON_COMPILED = Execution(compiler="inductor", sonar_pass=False)
+"""Sonar's eager hooks on the torch.compile'd model (what the pass improves on)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,31 +46,39 @@ class Arm:
     """One way to train: a method of `sonar_fx.methods` in an execution mode."""
 
     method: str
-    mode: Mode
-    """"eager": no torch.compile; "compiled": torch.compile'd model (sonar and oib_all keep their
-    post-accumulate-grad hooks); "pass": `sonar_fx.compile` with the in-graph update pass."""
-    compiler: str = "inductor"
-    """torch.compile backend of the "compiled" and "pass" modes ("inductor" or "aot_eager")."""
+    execution: Execution = EAGER
     accumulation: str | None = None
     """Sonar's accumulation mode ("per_microbatch" for A >= 2)."""
 
     @property
+    def kind(self) -> Method:
+        return Method.named(self.method)
+
+    @property
     def label(self) -> str:
-        if self.mode == "eager":
-            how = "eager hooks" if self.method in HOOKED else "eager"
-        elif self.mode == "compiled":
-            how = "compiled + hooks" if self.method in HOOKED else "compiled"
-        else:
+        """ "sonar · compiled pass", "oib_all · compiled + hooks", "standard · eager", ..."""
+        hooks = self.kind.updates_in_hooks(self.execution)
+        if not self.execution.compiled:
+            how = "eager hooks" if hooks else "eager"
+        elif self.kind.sonar and self.execution.sonar_pass:
             how = "compiled pass"
+        else:
+            how = "compiled + hooks" if hooks else "compiled"
         return f"{self.method} · {how}"
 
+    def under(self, compiler: Compiler) -> Arm:
+        """This arm with its compiled execution on `compiler` (an eager arm stays eager)."""
+        if not self.execution.compiled:
+            return self
+        return replace(self, execution=replace(self.execution, compiler=compiler))
+
+    def baseline(self) -> Arm:
+        """The standard method (global clip) in this arm's execution: what Δ and × compare with."""
+        return Arm(method="standard", execution=Execution(compiler=self.execution.compiler))
+
     def build(self, model: nn.Module, cfg: AdamWConfig) -> TrainingMethod:
-        extra: dict[str, Any] = {"accumulation": self.accumulation} if self.method.startswith("sonar") else {}
-        if self.mode == "eager":
-            return build_method(self.method, model, cfg, compiler="eager", **extra)
-        return build_method(
-            self.method, model, cfg, compiler=self.compiler, sonar_pass=self.mode == "pass", **extra
-        )
+        extra: dict[str, Any] = {"accumulation": self.accumulation} if self.kind.sonar else {}
+        return build_method(self.method, model, cfg, execution=self.execution, **extra)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +174,7 @@ def _describe(run: _Live, calls_before: int, held_out: Sequence[Batch]) -> None:
     (counted over the timed rounds), fallbacks, and the held-out loss it reached."""
     result, method = run.result, run.method
     result.resident_bytes = state_bytes(run.model, method.optimizers)
-    result.predicted_saving_bytes = ExpertGradBytes.of(discover_experts(run.model)).predicted_saving
+    result.predicted_saving_bytes = ExpertGradBytes.of(ExpertSet.discover(run.model).layers).predicted_saving
     report = _report(method)
     if report and result.step_s:
         result.update_calls_per_step = (report["update_calls"] - calls_before) // len(result.step_s)

@@ -12,18 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Plan, by_label, run_arms
+from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, by_label, run_arms
 from benchmarks.common import Table, mib
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, ratio
+from sonar_fx.methods import Execution
 from sonar_fx.workload import make_batches
 
 SCRIPT = "batch_sweep"
-PAIRS = {  # execution -> (baseline label, sonar label)
-    "eager": ("standard · eager", "sonar · eager hooks"),
-    "compiled": ("standard · compiled", "sonar · compiled pass"),
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +32,8 @@ class Config:
     seq: int = 64
     dtype: str = "bfloat16"
     plan: Plan = field(default_factory=lambda: Plan(warmup=1, rounds=5, held_out_batches=1))
-    executions: tuple[str, ...] = ("eager", "compiled")
+    executions: tuple[Execution, ...] = (EAGER, COMPILED)
+    """Eager (Sonar by hooks) and compiled (Sonar's pass), each against standard in the same execution."""
     lr: float = 1e-3
 
 
@@ -45,8 +43,7 @@ QUICK = Config(batches=(2, 8), plan=Plan(warmup=1, rounds=3, held_out_batches=1)
 def arms_for(cfg: Config) -> list[Arm]:
     arms = []
     for ex in cfg.executions:
-        arms.append(Arm(method="standard", mode="eager" if ex == "eager" else "compiled"))
-        arms.append(Arm(method="sonar", mode="eager" if ex == "eager" else "pass"))
+        arms += [Arm(method="standard", execution=ex), Arm(method="sonar", execution=ex)]
     return arms
 
 
@@ -68,14 +65,14 @@ def run(cfg: Config) -> tuple[list[dict], list[dict]]:
     return points, records
 
 
-def _point(batch: int, execution: str, results: list[ArmResult]) -> dict:
+def _point(batch: int, execution: Execution, results: list[ArmResult]) -> dict:
     a = by_label(results)
-    base, sonar = a.get(PAIRS[execution][0]), a.get(PAIRS[execution][1])
+    base, sonar = (a.get(Arm(method=m, execution=execution).label) for m in ("standard", "sonar"))
     ok = base is not None and sonar is not None and base.ok and sonar.ok
     t = ratio(sonar, base)
     return {
         "batch": batch,
-        "execution": execution,
+        "execution": execution.label,
         "ok": ok,
         "error": None if ok else next((r.error for r in (base, sonar) if r and r.error), "missing"),
         "standard_peak_mib": mib(base.peak_bytes) if ok and base else None,
@@ -111,7 +108,7 @@ def table(points: list[dict]) -> Table:
         "saved/predicted", "Δ total", "standard ms", "sonar ms", "sonar × standard",
     ]  # fmt: skip
     note = (
-        "seq 64; eager: hooks vs eager standard; compiled: the pass vs compiled standard (global clip). "
+        "seq 64; eager: hooks vs eager standard; inductor: the pass vs compiled standard (global clip). "
         "Peaks are a step's transient bytes; Δ total adds weights and optimizer state (as the paper's do)."
     )
     return Table(title="Saving and speedup vs batch size", headers=headers, rows=rows, note=note)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import shlex
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -26,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from tabulate import tabulate
 
+from sonar_fx.environment import Environment
 from sonar_fx.measure import SIDE_BY_SIDE
-from sonar_fx.trainer.environment import cpu_cores, cpu_name
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -35,51 +32,6 @@ if TYPE_CHECKING:
 RESULTS_DIR = Path("results")
 C = TypeVar("C", bound="DataclassInstance")
 """A script's frozen `Config` dataclass."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Env:
-    """Where and with what a benchmark ran: printed above every table and stored with the results."""
-
-    date: str
-    """UTC time the run started, ISO 8601."""
-    host: str
-    """Processor or GPU name."""
-    cores: int
-    """Logical CPUs visible to this process."""
-    threads: int
-    """torch intra-op threads used."""
-    load_avg: tuple[float, float, float]
-    """1/5/15-minute load average at the start: on a shared machine it says how noisy timings are."""
-    torch: str
-    transformers: str
-    python: str
-    device: str
-    """"cpu" or the CUDA device name."""
-
-    def line(self) -> str:
-        load = "/".join(f"{x:.1f}" for x in self.load_avg)
-        return (
-            f"{self.date} | {self.device} on {self.host} ({self.cores} cores, {self.threads} torch threads, "
-            f"load {load}) | torch {self.torch}, transformers {self.transformers}, Python {self.python}"
-        )
-
-
-def environment(device: str = "cpu") -> Env:
-    import transformers
-
-    dev = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    return Env(
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        host=cpu_name(),
-        cores=cpu_cores(),
-        threads=torch.get_num_threads(),
-        load_avg=tuple(round(x, 2) for x in os.getloadavg()),  # type: ignore[arg-type]
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        device=dev,
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +72,7 @@ class Report:
     script: str
     command: str
     """The command line that produced this file, shown beside its tables in the README."""
-    env: Env
+    env: Environment
     config: dict[str, Any]
     tables: list[Table]
     goals: list[Goal] = field(default_factory=list)
@@ -205,6 +157,8 @@ class Override:
     help: str
     many: bool = False
     """Takes one or more values (nargs="+"), stored as a tuple."""
+    parse: Callable[[str], Any] = str
+    """Turns a chosen value into the field's (`Execution.from_label` for executions)."""
 
     def add_to(self, p: argparse.ArgumentParser) -> None:
         nargs = "+" if self.many else None
@@ -214,7 +168,8 @@ class Override:
         value = getattr(args, self.field)
         if not value:
             return cfg
-        return dataclasses.replace(cfg, **{self.field: tuple(value) if self.many else value})
+        parsed = tuple(map(self.parse, value)) if self.many else self.parse(value)
+        return dataclasses.replace(cfg, **{self.field: parsed})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +181,7 @@ class Invocation(Generic[C]):
     command: str
     args: argparse.Namespace
     cfg: C
-    env: Env
+    env: Environment
 
     @property
     def out(self) -> Path:
@@ -268,7 +223,7 @@ def start(
     cfg = quick if args.quick else default
     for o in overrides:
         cfg = o.apply(cfg, args)
-    return Invocation(script=script, command=command(script, argv), args=args, cfg=cfg, env=environment())
+    return Invocation(script=script, command=command(script, argv), args=args, cfg=cfg, env=Environment.now())
 
 
 def mib(nbytes: float) -> float:

@@ -33,7 +33,7 @@ from benchmarks.common import Table
 from benchmarks.workload import SHAPES, ModelShape, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import Spread, short_error
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Execution, TrainingMethod, build_method
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.workload import Batch, make_batches
 
@@ -47,8 +47,8 @@ class Config:
     shape: str = "olmoe-cpu"
     workload: Workload = field(default_factory=Workload)
     compilers: tuple[str, ...] = ("inductor", "aot_eager")
-    methods: tuple[tuple[str, str], ...] = (("standard", "compiled"), ("sonar", "pass"))
-    """(method, mode) pairs: the compiled baseline and the pass."""
+    methods: tuple[str, ...] = ("standard", "sonar")
+    """Compiled under each compiler: the baseline, and Sonar with its pass."""
     repeats: int = 2
     steady_steps: int = 3
     regional_layers: tuple[int, ...] = (4, 16)
@@ -149,7 +149,7 @@ def run(cfg: Config) -> list[dict[str, Any]]:
     data = make_batches(1 + cfg.steady_steps, w.batch, w.seq)
     records = []
     for compiler in cfg.compilers:
-        arms = [Arm(method=m, mode=mode, compiler=compiler) for m, mode in cfg.methods]  # type: ignore[arg-type]
+        arms = [Arm(method=m, execution=Execution(compiler=compiler)) for m in cfg.methods]  # type: ignore[arg-type]
         for rep in range(cfg.repeats):
             for arm in arms if rep % 2 == 0 else arms[::-1]:
                 print(f"  {compiler}: {arm.label}, repeat {rep + 1}/{cfg.repeats}", flush=True)

@@ -81,28 +81,24 @@ def _model(cfg: Config, dtype: Any) -> Any:
 
 
 def _expert_bytes(model: Any) -> tuple[int, int]:
-    from sonar_fx.experts.discovery import discover_experts
+    """This rank's expert-gradient bytes, all layers and the largest one (an FSDP2 shard counts its own)."""
+    from sonar_fx.experts.discovery import ExpertSet
+    from sonar_fx.memory import ExpertGradBytes
 
-    layers = [sum(_local(t.param).numel() * t.param.element_size() for t in layer.tensors)
-              for layer in discover_experts(model)]  # fmt: skip
-    return sum(layers), max(layers)
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
+    grads = ExpertGradBytes.of(ExpertSet.discover(model).layers)
+    return grads.total, grads.one_layer
 
 
 def _peak(cfg: Config, run: Callable[..., Any], step: Callable[[], None], counter: Any) -> int:
     """The largest per-step peak over `cfg.steps` steps on this rank's batches."""
-    import torch
     import torch.distributed as dist
 
-    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    from sonar_fx.workload import random_batches
+
     peak = 0
-    for _ in range(cfg.steps):
-        ids = torch.randint(0, 259, (cfg.batch, cfg.seq), generator=g)
+    for batch in random_batches(cfg.steps, batch=cfg.batch, seq=cfg.seq, seed=1 + dist.get_rank()):
         counter.reset()
-        run(input_ids=ids, labels=ids).loss.backward()
+        run(**batch).loss.backward()
         counter.sample()
         step()
         peak = max(peak, counter.peak)
@@ -195,6 +191,7 @@ def _ep_rows(cfg: Config, dtype: Any) -> list[Row]:
     import sonar_fx.distributed as sd
     from sonar_fx.config import AdamWConfig
     from sonar_fx.distributed.memory import GradStorageCounter
+    from sonar_fx.experts.discovery import ExpertSet
 
     peaks = {}
     for arm in ("standard", "sonar"):
@@ -203,7 +200,7 @@ def _ep_rows(cfg: Config, dtype: Any) -> list[Row]:
         experts, layer = _expert_bytes(model)
         counter = GradStorageCounter.hook(model)
         if arm == "standard":
-            names = [n for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+            names = ExpertSet.discover(model).names
             DDP._set_params_and_buffers_to_ignore_for_model(model, names)
             wrapped, step = DDP(model), _adamw_step(model)
         else:

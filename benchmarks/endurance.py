@@ -33,7 +33,7 @@ from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, side_by_side
 from sonar_fx.memory import measure_peak, process_rss_bytes
-from sonar_fx.methods import TrainingMethod
+from sonar_fx.methods import Execution, TrainingMethod
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.workload import Batch, make_batches
 
@@ -57,14 +57,14 @@ class Config:
     warmup: int = 100
     """Steps before RSS, time and compile counts are read as the baseline (the first one compiles)."""
     arms: tuple[Arm, ...] = (
-        Arm(method="sonar", mode="eager"),
-        Arm(method="sonar", mode="pass", compiler="aot_eager"),
-        Arm(method="sonar", mode="pass", compiler="inductor"),
+        Arm(method="sonar"),
+        Arm(method="sonar", execution=Execution(compiler="aot_eager")),
+        Arm(method="sonar", execution=Execution(compiler="inductor")),
     )
     lr: float = 1e-3
 
 
-QUICK = Config(steps=40, warmup=10, arms=(Arm(method="sonar", mode="pass", compiler="aot_eager"),))
+QUICK = Config(steps=40, warmup=10, arms=(Arm(method="sonar", execution=Execution(compiler="aot_eager")),))
 
 
 @dataclass(kw_only=True)
@@ -87,7 +87,7 @@ def run(cfg: Config) -> list[Endurance]:
     batches = make_batches(cfg.steps, cfg.batch, cfg.seq)
     results = []
     for arm in cfg.arms:
-        label = f"{arm.label} ({arm.compiler})" if arm.mode != "eager" else arm.label
+        label = f"{arm.label} ({arm.execution.compiler})" if arm.execution.compiled else arm.label
         print(f"  {label}: {cfg.steps} steps", flush=True)
         torch._dynamo.reset()
         result = Endurance(label=label)

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from benchmarks import common
-from benchmarks.arms import Arm
+from benchmarks.arms import COMPILED, Arm
 from benchmarks.common import Table
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.environment import Environment
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.experts.kernels import BACKENDS, use_kernel_backend
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, short_error
 from sonar_fx.memory import ExpertGradBytes
@@ -60,10 +61,10 @@ class Config:
     """Untimed steps (the first compiles), then one memory step, then the timed steps."""
     steps: int = 10
     arms: tuple[Arm, ...] = (
-        Arm(method="standard", mode="eager"),
-        Arm(method="standard_no_expert_clip", mode="eager"),
-        Arm(method="sonar", mode="eager"),
-        Arm(method="sonar", mode="pass"),
+        Arm(method="standard"),
+        Arm(method="standard_no_expert_clip"),
+        Arm(method="sonar"),
+        Arm(method="sonar", execution=COMPILED),
     )
     opt: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-5, max_grad_norm=1.0))
     experts_kernel: str = "default"
@@ -95,7 +96,7 @@ def batches(cfg: Config, vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
 def measure(arm: Arm, cfg: Config) -> dict[str, Any]:
     """Build one arm, warm it up, measure one step's memory, time the next `cfg.steps` steps."""
     model = build(cfg)
-    grads = ExpertGradBytes.of(discover_experts(model))
+    grads = ExpertGradBytes.of(ExpertSet.discover(model).layers)
     method = arm.build(model, cfg.opt)
     vocab = (TINY if cfg.tiny else OLMOE_1B_7B)["vocab_size"]
     data = batches(cfg, vocab, cfg.warmup + 1 + cfg.steps)
@@ -202,15 +203,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         cfg = replace(cfg, seq=32, warmup=1, steps=2)  # a smoke run: the code path, not the numbers
     if args.compiled_standard:
-        cfg = replace(cfg, arms=(*cfg.arms, Arm(method="standard", mode="compiled")))
-    cfg = replace(cfg, arms=tuple(replace(a, compiler=args.compiler) for a in cfg.arms))
+        cfg = replace(cfg, arms=(*cfg.arms, Arm(method="standard", execution=COMPILED)))
+    cfg = replace(cfg, arms=tuple(a.under(args.compiler) for a in cfg.arms))
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
             "benchmarks.gpu: no CUDA device here; run with --device cpu --tiny for the smoke mode."
         )
     inv = common.Invocation(
         script=f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT, command=common.command(SCRIPT, argv), args=args,
-        cfg=cfg, env=common.environment(cfg.device),
+        cfg=cfg, env=Environment.now(cfg.device),
     )  # fmt: skip
     records = run(cfg)
     inv.finish([table(records, cfg)], records=records)

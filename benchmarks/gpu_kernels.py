@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from benchmarks import common
 from sonar_fx.config import AdamWConfig
+from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.experts.kernels import (
     BACKENDS,
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = configure(args)
     inv = common.Invocation(
         script=SCRIPT, command=common.command(SCRIPT, argv), args=args, cfg=cfg,
-        env=common.environment(cfg.device),  # date and load at the start, as `Env` documents
+        env=Environment.now(cfg.device),  # date and load at the start, as `Environment` documents
     )  # fmt: skip
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     numerics, exactness, missing, failures = run_checks(cfg)

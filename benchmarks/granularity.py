@@ -12,16 +12,17 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, run_arms
+from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, by_label, run_arms
 from benchmarks.common import Goal, Table, mib
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, ratio
+from sonar_fx.methods import Execution
 from sonar_fx.workload import make_batches
 
 SCRIPT = "granularity"
-LABEL = {"eager": "eager hooks", "pass": "compiled pass"}
-TWIN = {"eager": "eager", "pass": "compiled"}
+ROWS = (("standard_no_expert_clip", "-"), ("sonar", "batched"), ("sonar_per_expert", "per expert"))
+"""(method, granularity column) of each table row, per execution."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,8 @@ class Config:
     shapes: tuple[str, ...] = ("olmoe-cpu", "granite-cpu")
     workload: Workload = field(default_factory=Workload)
     plan: Plan = field(default_factory=lambda: Plan(warmup=2, rounds=10, held_out_batches=1))
-    modes: tuple[Mode, ...] = ("eager", "pass")
-    """"eager" (hooks on the eager model) and/or "pass" (the compiled pass)."""
+    executions: tuple[Execution, ...] = (EAGER, COMPILED)
+    """Eager (Sonar by hooks) and/or compiled (Sonar's pass)."""
     lr: float = 1e-3
 
 
@@ -40,11 +41,7 @@ QUICK = Config(shapes=("olmoe-cpu",), plan=Plan(warmup=1, rounds=4, held_out_bat
 
 
 def arms_for(cfg: Config) -> list[Arm]:
-    arms = []
-    for mode in cfg.modes:
-        arms.append(Arm(method="standard_no_expert_clip", mode=TWIN[mode]))  # type: ignore[arg-type]
-        arms += [Arm(method=m, mode=mode) for m in ("sonar", "sonar_per_expert")]
-    return arms
+    return [Arm(method=method, execution=execution) for execution in cfg.executions for method, _ in ROWS]
 
 
 def run(cfg: Config) -> tuple[list[Table], list[Goal], list[dict]]:
@@ -59,9 +56,9 @@ def run(cfg: Config) -> tuple[list[Table], list[Goal], list[dict]]:
             partial(shape.build, w.torch_dtype),
             arms_for(cfg), AdamWConfig(lr=cfg.lr), cfg.plan, batches, held_out,
         )  # fmt: skip
-        for mode in cfg.modes:
-            rows += _rows(name, mode, results)
-            goals.append(_goal(name, mode, results))
+        for execution in cfg.executions:
+            rows += _rows(name, execution, results)
+            goals.append(_goal(name, execution, results))
         records += [{"shape": name, **asdict(r)} for r in results]
     headers = [
         "shape", "execution", "granularity", "update calls/step", "peak MiB", "step ms", "× batched",
@@ -78,36 +75,37 @@ def run(cfg: Config) -> tuple[list[Table], list[Goal], list[dict]]:
     )
 
 
-def _rows(shape: str, mode: Mode, results: list[ArmResult]) -> list[list[str]]:
+def _rows(shape: str, execution: Execution, results: list[ArmResult]) -> list[list[str]]:
     a = by_label(results)
-    batched = a.get(f"sonar · {LABEL[mode]}")
-    twin = a.get(f"standard_no_expert_clip · {TWIN[mode]}")
+    arms = {method: Arm(method=method, execution=execution) for method, _ in ROWS}
+    batched, twin = a.get(arms["sonar"].label), a.get(arms["standard_no_expert_clip"].label)
     rows = []
-    for method, gran in (
-        ("standard_no_expert_clip", "-"),
-        ("sonar", "batched"),
-        ("sonar_per_expert", "per expert"),
-    ):
-        r = twin if method == "standard_no_expert_clip" else a.get(f"{method} · {LABEL[mode]}")
+    for method, gran in ROWS:
+        r, how = a.get(arms[method].label), _how(arms[method])
         if r is None or not r.ok:
-            rows.append([shape, LABEL[mode], gran, f"failed: {r.error if r else 'missing'}", *["-"] * 4])
+            rows.append([shape, how, gran, f"failed: {r.error if r else 'missing'}", *["-"] * 4])
             continue
         calls = "-" if r.update_calls_per_step is None else str(r.update_calls_per_step)
         rows.append(
             [
-                shape, TWIN[mode] if method == "standard_no_expert_clip" else LABEL[mode], gran, calls,
-                f"{mib(r.peak_bytes):.1f}", r.step_ms.fmt(0), fmt_ratio(ratio(r, batched)),
-                fmt_ratio(ratio(r, twin)),
+                shape, how, gran, calls, f"{mib(r.peak_bytes):.1f}", r.step_ms.fmt(0),
+                fmt_ratio(ratio(r, batched)), fmt_ratio(ratio(r, twin)),
             ]
         )  # fmt: skip
     return rows
 
 
-def _goal(shape: str, mode: Mode, results: list[ArmResult]) -> Goal:
+def _how(arm: Arm) -> str:
+    """The execution column: the arm's label without its method ("eager hooks", "compiled pass")."""
+    return arm.label.split(" · ", 1)[1]
+
+
+def _goal(shape: str, execution: Execution, results: list[ArmResult]) -> Goal:
     a = by_label(results)
-    per = ratio(a.get(f"sonar_per_expert · {LABEL[mode]}"), a.get(f"sonar · {LABEL[mode]}"))
+    sonar, per_expert = (Arm(method=m, execution=execution) for m in ("sonar", "sonar_per_expert"))
+    per = ratio(a.get(per_expert.label), a.get(sonar.label))
     return Goal(
-        name=f"{shape}: per-expert slower than batched, {LABEL[mode]}",
+        name=f"{shape}: per-expert slower than batched, {_how(sonar)}",
         target="> 1.00x (paper, GPU: +20% OLMoE, +72% Granite)",
         measured=fmt_ratio(per),
         met=None if per is None else per.median > 1.0,
@@ -118,7 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     overrides = [
         common.Override(field="shapes", choices=sorted(SHAPES), help="override the model shapes", many=True),
         common.Override(
-            field="modes", choices=["eager", "pass"], help="override the execution modes", many=True
+            field="executions",
+            choices=[e.label for e in Config().executions],
+            many=True,
+            help="override the executions",
+            parse=Execution.from_label,
         ),
     ]
     inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=overrides)

@@ -19,11 +19,11 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common
-from benchmarks.arms import Arm
+from benchmarks.arms import COMPILED, Arm
 from benchmarks.common import Table, mib
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import TrainingMethod
 from sonar_fx.workload import make_batches
@@ -40,9 +40,9 @@ class Config:
     shape: str = "olmoe-cpu"
     workload: Workload = field(default_factory=Workload)
     arms: tuple[Arm, ...] = (
-        Arm(method="standard", mode="eager"),
-        Arm(method="sonar", mode="eager"),
-        Arm(method="sonar", mode="pass"),
+        Arm(method="standard"),
+        Arm(method="sonar"),
+        Arm(method="sonar", execution=COMPILED),
     )
     warmup: int = 2
     lr: float = 1e-3
@@ -123,7 +123,7 @@ def run(cfg: Config) -> tuple[list[Timeline], dict[str, float]]:
     for arm in cfg.arms:
         print(f"  {arm.label}", flush=True)
         model = shape.build(w.torch_dtype)
-        expert_grads = ExpertGradBytes.of(discover_experts(model))
+        expert_grads = ExpertGradBytes.of(ExpertSet.discover(model).layers)
         grads = {"one_layer": mib(expert_grads.one_layer), "all": mib(expert_grads.total)}
         method = arm.build(model, AdamWConfig(lr=cfg.lr))
         for b in data[: cfg.warmup]:

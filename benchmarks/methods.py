@@ -16,16 +16,15 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 
 from benchmarks import common
-from benchmarks.arms import Arm, ArmResult, Mode, Plan, by_label, run_arms
+from benchmarks.arms import COMPILED, EAGER, HOOKS_ON_COMPILED, Arm, ArmResult, Plan, by_label, run_arms
 from benchmarks.common import Goal, Table, mib
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import Spread, fmt_ratio, ratio
-from sonar_fx.methods import METHODS
+from sonar_fx.methods import METHODS, Execution, Method
 from sonar_fx.workload import make_batches
 
 SCRIPT = "methods"
-BASELINE = {"eager": "standard · eager", "compiled": "standard · compiled", "pass": "standard · compiled"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +36,9 @@ class Config:
     workload: Workload = field(default_factory=Workload)
     plan: Plan = field(default_factory=lambda: Plan(warmup=2, rounds=20))
     methods: tuple[str, ...] = METHODS
-    modes: tuple[Mode, ...] = ("eager", "compiled", "pass")
+    executions: tuple[Execution, ...] = (EAGER, HOOKS_ON_COMPILED, COMPILED)
+    """Eager (Sonar by hooks), compiled with Sonar's hooks, compiled with the pass; methods other than
+    Sonar run compiled once, whichever of the compiled executions comes first."""
     lr: float = 1e-3
     """Large enough that a randomly initialised model learns visibly in a dozen steps."""
     max_grad_norm: float = 1.0
@@ -48,14 +49,14 @@ QUICK = Config(shapes=("olmoe-cpu",), plan=Plan(warmup=1, rounds=4, held_out_bat
 
 
 def arms_for(cfg: Config) -> list[Arm]:
-    arms = []
-    for mode in cfg.modes:
+    arms: dict[str, Arm] = {}
+    for execution in cfg.executions:
         for method in cfg.methods:
-            # The pass is Sonar's; the other methods' compiled arms are the "compiled" ones.
-            if mode == "pass" and not method.startswith("sonar"):
-                continue
-            arms.append(Arm(method=method, mode=mode))
-    return arms
+            # Hooks vs pass is Sonar's choice; every other method has one compiled arm.
+            plain = Execution(compiler=execution.compiler)
+            arm = Arm(method=method, execution=execution if Method.named(method).sonar else plain)
+            arms.setdefault(arm.label, arm)
+    return list(arms.values())
 
 
 def run(cfg: Config) -> tuple[list[Table], list[Goal], list[dict]]:
@@ -80,7 +81,7 @@ def table(title: str, results: list[ArmResult], w: Workload) -> Table:
     named = by_label(results)
     rows = []
     for r in results:
-        base = named.get(BASELINE[r.arm.mode])
+        base = named.get(r.arm.baseline().label)
         if not r.ok:
             rows.append([r.label, f"failed: {r.error}", *["-"] * 10])
         elif base is None or not base.ok:
@@ -200,7 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     overrides = [
         common.Override(field="shapes", choices=sorted(SHAPES), help="override the model shapes", many=True),
         common.Override(
-            field="modes", choices=["eager", "compiled", "pass"], help="override the modes", many=True
+            field="executions",
+            choices=[e.label for e in Config().executions],
+            many=True,
+            help="override the executions",
+            parse=Execution.from_label,
         ),
     ]
     inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=overrides)

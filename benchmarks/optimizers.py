@@ -26,7 +26,7 @@ from benchmarks import common
 from benchmarks.common import Goal, Table, mib
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.adamw import nonfinite_flag
 from sonar_fx.optim.lowbit import is_lowbit
@@ -91,7 +91,7 @@ def _arm(
 ) -> Arm:
     def build() -> tuple[torch.nn.Module, TrainingMethod]:
         model = build_model(run.model, seed=0, **run.overrides)
-        extra: dict[str, Any] = {"nonfinite": nonfinite} if method.startswith("sonar") else {}
+        extra: dict[str, Any] = {"nonfinite": nonfinite} if Method.named(method).sonar else {}
         m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
             m.optimizer.clipper.track_norms = norms

@@ -2,8 +2,19 @@
 
 from sonar_fx.api import compile, prepare
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, OptimizerConfig, SGDConfig
-from sonar_fx.experts.discovery import ExpertLayer, ExpertTensor, NoExpertsFoundError, discover_experts
-from sonar_fx.optim.errors import InterruptedStepError, NonFiniteGradientError, SonarUsageError
+from sonar_fx.errors import (
+    InterruptedStepError,
+    NonFiniteGradientError,
+    ProcessGroupRequired,
+    SonarUsageError,
+)
+from sonar_fx.experts.discovery import (
+    ExpertLayer,
+    ExpertSet,
+    ExpertTensor,
+    NoExpertsFoundError,
+    discover_experts,
+)
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime.registry import UnboundExpertError
 
@@ -11,12 +22,14 @@ __all__ = [
     "AdamConfig",
     "AdamWConfig",
     "ExpertLayer",
+    "ExpertSet",
     "ExpertTensor",
     "InterruptedStepError",
     "LionConfig",
     "NoExpertsFoundError",
     "NonFiniteGradientError",
     "OptimizerConfig",
+    "ProcessGroupRequired",
     "SGDConfig",
     "SonarOptimizer",
     "SonarUsageError",

@@ -17,8 +17,9 @@ from torch import nn
 
 from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import OPTIMIZER_CONFIGS, OptimizerConfig
-from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertLayer, discover_experts
-from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer, SonarUsageError
+from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
+from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
@@ -42,6 +43,24 @@ def prepare(
     `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
     the dense parameters ("dense": clipped, updated at `step()`).
     `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
+    return _prepare(
+        model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
+        nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler="eager",
+    )  # fmt: skip
+
+
+def _prepare(
+    model: nn.Module,
+    opt_cfg: OptimizerConfig,
+    *,
+    experts: Iterable[nn.Parameter | str] | None,
+    granularity: Granularity,
+    accumulation: Accumulation,
+    nonfinite: NonFinite,
+    expert_biases: ExpertBiases,
+    distributed: GradReduction | None,
+    compiler: str,
+) -> SonarOptimizer:
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
             f"opt_cfg must be sonar_fx.AdamWConfig, AdamConfig, SGDConfig or LionConfig, got "
@@ -59,20 +78,18 @@ def prepare(
             "device=...), then load_state_dict), then call sonar_fx.prepare / compile: to_empty replaces the "
             "parameter objects, and Sonar trains the objects it was given."
         )
-    layers = discover_experts(model, experts, expert_biases=expert_biases)
+    found = ExpertSet.discover(model, experts, expert_biases=expert_biases)
     if distributed is None:
-        _refuse_gradient_reducing_wrappers(model, layers)
+        _refuse_gradient_reducing_wrappers(model, found)
     else:
         _refuse_untested_distributed(opt_cfg, distributed)
-    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
-    _check_dtypes_and_devices(layers)
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    dense = [(n, p) for n, p in trainable if id(p) not in expert_ids]
+    _check_dtypes_and_devices(found)
+    split = found.split(model)
     optimizer = SonarOptimizer(
-        [p for _, p in dense], layers, opt_cfg, granularity=granularity, accumulation=accumulation,
-        nonfinite=nonfinite, dense_names=[n for n, _ in dense], param_order=[p for _, p in trainable],
+        split.dense_params, found.layers, opt_cfg, granularity=granularity, accumulation=accumulation,
+        nonfinite=nonfinite, dense_names=[n for n, _ in split.dense], param_order=split.params,
+        compiler=compiler, distributed=distributed,
     )  # fmt: skip
-    optimizer.distributed = distributed
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     return optimizer
 
@@ -112,19 +129,12 @@ def compile(
     """
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}: expected one of {', '.join(COMPILERS)}.")
-    optimizer = prepare(
-        model,
-        opt_cfg,
-        experts=experts,
-        granularity=granularity,
-        accumulation=accumulation,
-        nonfinite=nonfinite,
-        expert_biases=expert_biases,
-        distributed=distributed,
-    )
+    optimizer = _prepare(
+        model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
+        nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler=compiler,
+    )  # fmt: skip
     if compiler == "eager":
         return model
-    optimizer.compiler = compiler
     if not regional:
         compile_forward_(model, compiler, fallback=fallback, **torch_compile_kwargs)
         return model
@@ -138,7 +148,7 @@ def compile(
 
 def _check_blocks_alike(blocks: list[tuple[str, nn.Module]], optimizer: SonarOptimizer) -> None:
     """Blocks of one class share one graph: their expert tensors must sit at the same places."""
-    experts = {id(t.param) for layer in optimizer.expert_layers for t in layer.tensors}
+    experts = optimizer.experts.names_by_id()
     seen: dict[type, tuple[str, list[str]]] = {}
     for name, block in blocks:
         mine = sorted(n for n, p in block.named_parameters() if id(p) in experts)
@@ -164,25 +174,30 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
         )
 
 
-def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
-    """Distributed engines are verified with expert_clip=None and 32-bit states; the rest is refused
-    rather than run unverified (global clipping runs a second, expert-only backward that a
-    gradient-reducing engine does not expect)."""
+def distributed_gap(opt_cfg: OptimizerConfig) -> tuple[str, str] | None:
+    """The first setting of `opt_cfg` the distributed engines do not run, as (field, "field=value"), or
+    None. They are verified with expert_clip=None and 32-bit states; the rest is refused rather than
+    run unverified (global clipping runs a second, expert-only backward that a gradient-reducing
+    engine does not expect). The one rule: `prepare` and `sonar_fx.engines` both ask it."""
     if opt_cfg.expert_clip is not None:
-        raise SonarUsageError(
-            f"expert_clip={opt_cfg.expert_clip!r} is not supported with sonar_fx.distributed "
-            f"({distributed.name}): train with expert_clip=None (dense gradients clipped, as in the paper)."
-        )
+        return "expert_clip", f"expert_clip={opt_cfg.expert_clip!r}"
     for field in ("state_bits", "dense_state_bits"):
         bits = getattr(opt_cfg, field, 32)
         if bits != 32:
-            raise SonarUsageError(
-                f"{field}={bits} is not supported with sonar_fx.distributed "
-                f"({distributed.name}): train with {field}=32."
-            )
+            return field, f"{field}={bits}"
+    return None
 
 
-def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLayer]) -> None:
+def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
+    gap = distributed_gap(opt_cfg)
+    if gap is not None:
+        raise SonarUsageError(
+            f"{gap[1]} is not supported with sonar_fx.distributed ({distributed.name}): train with "
+            "expert_clip=None (dense gradients clipped, as in the paper) and state_bits=dense_state_bits=32."
+        )
+
+
+def _refuse_gradient_reducing_wrappers(model: nn.Module, experts: ExpertSet) -> None:
     """Experts under a wrapper that reduces gradients after backward would be updated from local ones:
     point to `sonar_fx.distributed`, which sets the engine up so that they are not."""
     from torch.nn.parallel import DistributedDataParallel
@@ -192,7 +207,7 @@ def _refuse_gradient_reducing_wrappers(model: nn.Module, layers: list[ExpertLaye
     ]
     for wrapper_name, wrapper in wrappers:
         prefix = f"{wrapper_name}." if wrapper_name else ""
-        inside = [t.name for layer in layers for t in layer.tensors if t.name.startswith(prefix)]
+        inside = [name for name in experts.names if name.startswith(prefix)]
         if inside:
             fix = (
                 "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model (it keeps the experts out of "
@@ -215,8 +230,8 @@ def _is_fsdp(module: nn.Module) -> bool:
     return bool(kinds) and isinstance(module, kinds)
 
 
-def _check_dtypes_and_devices(layers: list[ExpertLayer]) -> None:
-    for layer in layers:
+def _check_dtypes_and_devices(experts: ExpertSet) -> None:
+    for layer in experts.layers:
         params = [t.param for t in layer.tensors]
         if any(p.dtype == torch.float16 for p in params):
             raise SonarUsageError(

@@ -1,5 +1,6 @@
 """Command line: `sonar-fx finetune ...` (one fine-tuning run), `sonar-fx demo` (the comparison),
-`sonar-fx inspect` (what discovery finds) and `sonar-fx plan` (a step's memory, predicted).
+`sonar-fx inspect --model ...` (which tensors discovery takes as experts, before any training) and
+`sonar-fx plan --model ...` (a training step's peak memory per method, predicted on fake tensors).
 
 For: turning flags into a `TrainConfig` / `DemoConfig`, bad input into one clear line on stderr
 before anything trains, and what happened into the exit status:
@@ -9,7 +10,8 @@ before anything trains, and what happened into the exit status:
   3    a training step raised: nothing from that step was written; `--resume` continues from the
        last checkpoint exactly;
   128+N  stopped by signal N (130 SIGINT, 143 SIGTERM) at a step boundary, after saving a checkpoint.
-Never: hold training logic; it calls `sonar_fx.trainer` and `sonar_fx.demo`.
+Never: hold training logic; it calls `sonar_fx.trainer`, `sonar_fx.demo`, `sonar_fx.experts.report` and
+`sonar_fx.planner.report`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 from sonar_fx.api import COMPILERS
 from sonar_fx.config import EXPERT_CLIPS, OPTIMIZER_CONFIGS, STATE_BITS, ConfigFieldError
 from sonar_fx.data import DataError
-from sonar_fx.experts.report import add_inspect_flags, inspect_command
+from sonar_fx.engines import ENGINES
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, EXPERT_BIASES
+from sonar_fx.experts.report import discovery_report, format_report, report_json
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.optim.optimizer import NONFINITE
@@ -38,7 +42,6 @@ from sonar_fx.trainer import (
     plan_run,
     run_plan,
 )
-from sonar_fx.trainer.parallel import ENGINES
 from sonar_fx.trainer.signals import SecondSignal
 from sonar_fx.trainer.validate import field_error
 
@@ -54,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "finetune":
             return _finetune(args)
         if args.command == "inspect":
-            return inspect_command(args)
+            return _inspect(args)
         if args.command == "plan":
             return plan_command(args)
         return _demo(args)
@@ -89,13 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     demo.add_argument("--steps", type=_positive_int, default=None, help="steps per arm (default: the demo's)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
-    add_inspect_flags(
+    _add_inspect(
         sub.add_parser("inspect", help="list the expert tensors Sonar finds in a model (no training)")
     )
     add_plan_flags(
         sub.add_parser("plan", help="predict a training step's peak memory per method (fake tensors)")
     )
     return parser
+
+
+def _add_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True,
+        help="a built-in tiny model name, hf:<model_type> (a tiny config of any MoE family in transformers, "
+        "built on the meta device), or a local checkpoint directory (its config, on the meta device)",
+    )  # fmt: skip
+    p.add_argument("--expert-biases", choices=EXPERT_BIASES, default=DEFAULT_EXPERT_BIASES)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _add_finetune(p: argparse.ArgumentParser) -> None:
@@ -139,7 +152,7 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
-    add("--parallel", choices=ENGINES, default=None,
+    add("--parallel", choices=tuple(ENGINES), default=None,
         help="under torchrun: data parallel with DDP, FSDP2 (fully_shard) or expert parallelism (ep); "
         "rank 0 logs and writes")  # fmt: skip
     _add_run_flags(p, d)
@@ -203,7 +216,7 @@ def _finetune(args: argparse.Namespace) -> int:
         return 0
     result = run_plan(plan, handle_signals=True)
     summary, outcome = result.summary, result.outcome
-    if plan.parallel is not None and not plan.parallel.writer:  # rank 0 speaks for the run
+    if not plan.parallel.writer:  # rank 0 speaks for the run
         return EXIT_SIGNAL_BASE + outcome.signum if outcome.signum is not None else 0
     if outcome.signum is not None:
         print(
@@ -215,7 +228,9 @@ def _finetune(args: argparse.Namespace) -> int:
         return EXIT_SIGNAL_BASE + outcome.signum
     mem = summary["memory"]
     peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
-    world = f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.parallel is not None else ""
+    world = (
+        f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.cfg.parallel is not None else ""
+    )
     print(
         f"done: {summary['steps_done']} steps{world}; "
         f"held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
@@ -224,6 +239,21 @@ def _finetune(args: argparse.Namespace) -> int:
         f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"
     )
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """`sonar-fx inspect`: print what discovery finds; exit 2 for a model it cannot build or without
+    experts."""
+    from sonar_fx.models.families import build_for_inspect
+
+    try:
+        model = build_for_inspect(args.model)
+    except ValueError as err:
+        _error(args, str(err))
+        return EXIT_BAD_INPUT
+    report = discovery_report(model, expert_biases=args.expert_biases)
+    print(report_json(report) if args.json else format_report(report))
+    return 0 if report["found"] else EXIT_BAD_INPUT
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,14 +25,15 @@ from tabulate import tabulate
 from torch import nn
 from tqdm import tqdm
 
+from sonar_fx.api import Compiler
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.environment import Environment
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import ArmResult, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
 from sonar_fx.memory import process_peak_rss_bytes, state_bytes
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Execution, TrainingMethod, build_method
 from sonar_fx.models import build_model
 from sonar_fx.trainer.config import ConfigError
-from sonar_fx.trainer.environment import environment
 from sonar_fx.trainer.schedule import WarmupCosine
 from sonar_fx.workload import Batch, held_out_loss, make_batches
 
@@ -50,18 +51,26 @@ class Arm:
     key: str
     label: str
     method: str
-    compiled: bool
-    sonar_pass: bool = True
+    execution: Execution = field(default_factory=Execution)
+    """Compiled arms run under the demo's `--compiler` (`under`), whatever compiler is written here."""
+
+    def under(self, compiler: Compiler) -> Arm:
+        """This arm with its compiled execution on `compiler` (eager arms stay eager)."""
+        if not self.execution.compiled:
+            return self
+        return replace(self, execution=replace(self.execution, compiler=compiler))
 
 
+_COMPILED = Execution(compiler="inductor")
 ARMS = (
-    Arm("standard", "standard (global clip)", "standard", False),
-    Arm("no_expert_clip", "standard_no_expert_clip", "standard_no_expert_clip", False),
-    Arm("sonar_eager", "sonar, eager hooks", "sonar", False),
-    Arm("sonar_hooks_compiled", "sonar, hooks on a compiled model", "sonar", True, sonar_pass=False),
-    Arm("no_expert_clip_compiled", "standard_no_expert_clip, compiled", "standard_no_expert_clip", True),
-    Arm("sonar_compiled", "sonar, compiled pass", "sonar", True),
-)
+    Arm("standard", "standard (global clip)", "standard"),
+    Arm("no_expert_clip", "standard_no_expert_clip", "standard_no_expert_clip"),
+    Arm("sonar_eager", "sonar, eager hooks", "sonar"),
+    Arm("sonar_hooks_compiled", "sonar, hooks on a compiled model", "sonar",
+        Execution(compiler="inductor", sonar_pass=False)),
+    Arm("no_expert_clip_compiled", "standard_no_expert_clip, compiled", "standard_no_expert_clip", _COMPILED),
+    Arm("sonar_compiled", "sonar, compiled pass", "sonar", _COMPILED),
+)  # fmt: skip
 BASELINE = "standard"
 # (sonar arm, its exact twin): same data, seed and init, so expert weights must be bitwise equal.
 TWINS = (
@@ -192,7 +201,7 @@ def _train(cfg: DemoConfig, started: float) -> dict[str, _Run]:
                 tqdm.write(
                     f"[{i + 1}/{len(cfg.arms)}] {arm.label}: build, warm up, memory step ({elapsed:.0f}s in)"
                 )
-                runs[arm.key] = _build(cfg, arm)
+                runs[arm.key] = _build(cfg, arm.under(cfg.compiler))
                 _warm_up(runs[arm.key], batches, held_out)
             _timed_rounds(cfg, list(runs.values()), batches[WARMUP_STEPS + 1 :], held_out)
     finally:
@@ -204,8 +213,7 @@ def _train(cfg: DemoConfig, started: float) -> dict[str, _Run]:
 def _build(cfg: DemoConfig, arm: Arm) -> _Run:
     model = build_model("tiny-olmoe", dtype=torch.float32, seed=cfg.seed, **cfg.model_overrides)
     opt = AdamWConfig(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=1.0)
-    compiler = cfg.compiler if arm.compiled else "eager"
-    method = build_method(arm.method, model, opt, compiler=compiler, sonar_pass=arm.sonar_pass)
+    method = build_method(arm.method, model, opt, execution=arm.execution)
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in method.optimizers]
     return _Run(arm, model, method, schedulers, ArmResult(label=arm.label))
@@ -218,7 +226,7 @@ def _warm_up(run: _Run, batches: list[Batch], held_out: list[Batch]) -> None:
     # Between steps no gradient is held: what the measured step started with.
     run.state_bytes = state_bytes(run.model, run.method.optimizers)
     failed = f"; FAILED: {run.result.error}" if run.result.error else ""
-    compiles = " (compilation included)" if run.arm.compiled else ""
+    compiles = " (compilation included)" if run.arm.execution.compiled else ""
     tqdm.write(f"    first step {run.result.first_step_s:.1f}s{compiles}{failed}")
 
 
@@ -253,7 +261,7 @@ def _learned(run: _Run, cfg: DemoConfig) -> bool:
 
 
 def _expert_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {t.name: t.param.detach() for layer in discover_experts(model) for t in layer.tensors}
+    return {t.name: t.param.detach() for t in ExpertSet.discover(model).tensors}
 
 
 def _twin_verdict(a: _Run, b: _Run) -> dict[str, Any]:
@@ -302,20 +310,21 @@ def _report(cfg: DemoConfig, runs: dict[str, _Run], verdicts: list, wall_s: floa
         "errors": {k: r.result.error for k, r in runs.items() if r.result.error},
         "notes": notes,
         "wall_s": wall_s,
-        **environment("cpu"),
+        **Environment.now("cpu").summary(),
     }
 
 
 def _row(cfg: DemoConfig, run: _Run, base: _Run | None) -> dict[str, Any]:
     arm, r = run.arm, run.result
-    compiler = cfg.compiler if arm.compiled else "eager"
+    compiler = arm.execution.compiler
     if not r.ok:
         return {"cells": [arm.label, compiler, f"failed: {(r.error or 'no step')[:60]}", *[""] * 7],
                 "data": {"arm": arm.key, "error": r.error}}  # fmt: skip
     peak = run.state_bytes + r.peak_bytes
     data: dict[str, Any] = {
         "arm": arm.key, "label": arm.label, "method": arm.method, "compiler": compiler,
-        "sonar_pass": arm.sonar_pass, "peak_mib": peak / MiB, "step_transient_mib": r.peak_bytes / MiB,
+        "sonar_pass": arm.execution.sonar_pass, "peak_mib": peak / MiB,
+        "step_transient_mib": r.peak_bytes / MiB,
         "state_mib": run.state_bytes / MiB, "first_step_s": r.first_step_s,
         "step_ms": asdict(r.step_ms), "median_step_ms": r.step_ms.median,
         "tokens_per_s": cfg.batch_size * cfg.seq / (r.step_ms.median / 1e3),

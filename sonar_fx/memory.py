@@ -3,9 +3,10 @@
 CPU: the profiler's allocator events (every allocation and free with its byte count) are summed in
 time order; the peak of that running sum is the most tensor bytes allocated ABOVE the start of the
 measured region, i.e. transient step memory. CUDA: `max_memory_allocated` / `max_memory_reserved`
-after `reset_peak_memory_stats`. Also: what Sonar should save (`ExpertGradBytes`, the one place the
-prediction is written) and the process's resident memory (for endurance runs). This module measures;
-it never changes what it measures.
+after `reset_peak_memory_stats`. Also: the bytes a set of tensors holds (`storage_bytes`, and
+`state_bytes` between steps: the one definition), what Sonar should save (`ExpertGradBytes`, the one
+place the prediction is written) and the process's resident memory (for endurance runs). This module
+measures; it never changes what it measures.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 if TYPE_CHECKING:
     from sonar_fx.experts.discovery import ExpertLayer
@@ -96,13 +99,43 @@ def process_peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`: the memory they hold. A tensor that wraps others
+    (a DTensor, torchao's low-bit states) counts its inner tensors (the local shard; codes and scales),
+    since its own size is the logical one, not what is allocated."""
+    found: dict[int, int] = {}
+    stack = list(tensors)
+    while stack:
+        t = stack.pop()
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            # Only the inner tensors hold memory (a DTensor also lists its device mesh here).
+            stack.extend(inner for name in names if isinstance(inner := getattr(t, name), Tensor))
+            continue
+        storage = t.untyped_storage()
+        found[storage.data_ptr()] = storage.nbytes()
+    return sum(found.values())
+
+
 def state_bytes(model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
-    """Bytes alive between steps: parameters, gradients still held, optimizer state tensors (each storage
-    counted once). Added to a step's transient peak it compares with absolute peaks (the paper's)."""
+    """Bytes alive between steps: parameters, gradients still held, optimizer state tensors.
+
+    Counted by storage (`storage_bytes`), the one definition the demo, the trainer and the benchmarks
+    share: what the allocator holds. Counting tensors instead would count a view twice (DDP's
+    gradient_as_bucket_view, FSDP2 gradients viewing one reduce-scatter output), miss the rest of a
+    storage a view exposes only part of, and take a wrapper's logical size for its bytes (a DTensor
+    reports the global shape, a low-bit state its fp32 one). Added to a step's transient peak it
+    compares with absolute peaks (the paper's)."""
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     tensors += [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return storage_bytes(tensors)
+
+
+def high_water_mib(device: str) -> dict[str, float]:
+    """The process's memory high-water mark so far, in MiB (CUDA: allocated; CPU: resident set)."""
+    if device.startswith("cuda"):
+        return {"cuda_max_allocated_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+    return {"peak_rss_mib": process_peak_rss_bytes() / 2**20}
 
 
 def process_rss_bytes() -> int:

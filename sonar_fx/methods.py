@@ -8,29 +8,31 @@ like with like:
   expert_clip=None), and each expert gradient by its own norm under expert_clip="per_tensor";
 - oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
 - sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
-The optimizer is the config's (AdamW, Adam, SGD, Lion): baselines use torch's fused optimizer for it
-(`UpdateRule.torch_optimizer`; Lion: the reference `LionRef`; low-bit expert states: torchao's).
-How a method runs is one `Execution`: compiler "eager", or "aot_eager" / "inductor" through
-torch.compile; for sonar under a compiler, `sonar_pass=False` keeps the hooks on the compiled model
-instead of the graph pass. Never: change a method's arithmetic with the execution mode.
+What a method is (Sonar or not, which gradients it clips) is its `Method`, looked up by name; the
+string tests on names live nowhere else. The optimizer is the config's (AdamW, Adam, SGD, Lion):
+baselines use torch's fused optimizer for it (`UpdateRule.torch_optimizer`; Lion: the reference
+`LionRef`; low-bit expert states: torchao's). How a method runs is one `Execution`: compiler "eager",
+or "aot_eager" / "inductor" through torch.compile; for sonar under a compiler, `sonar_pass=False`
+keeps the hooks on the compiled model instead of the graph pass. Where it runs is an `Engine`
+(`sonar_fx.engines`: one process, DDP, FSDP2, expert parallel): `build_method` is the one builder for
+every method on every engine. Never: change a method's arithmetic with the execution mode or engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
 from sonar_fx import api
-from sonar_fx.config import ConfigFieldError, OptimizerConfig
-from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, discover_experts
+from sonar_fx.config import ConfigFieldError, ExpertClip, OptimizerConfig
+from sonar_fx.engines import SINGLE_PROCESS, Engine
+from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertSet, Split
 from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
 from sonar_fx.optim.rules import rule_for
-
-METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar", "sonar_per_expert")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,30 +65,137 @@ class Execution:
 
     @property
     def label(self) -> str:
-        """Short name for tables and progress bars: "eager", "inductor", "inductor+hooks"."""
+        """Short name for tables, progress bars and benchmark flags: "eager", "inductor", "inductor+hooks"."""
         return self.compiler if self.sonar_pass else f"{self.compiler}+hooks"
+
+    @classmethod
+    def from_label(cls, label: str) -> Execution:
+        """The execution a `label` names (its inverse)."""
+        compiler, hooks, _ = label.partition("+hooks")
+        return cls(compiler=cast(api.Compiler, compiler), sonar_pass=not hooks)
+
+
+Clip = Literal["all", "dense", "none"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a training method is: Sonar or a baseline, and which gradients it clips."""
+
+    name: str
+    """As `--method` and `build_method` spell it."""
+    clip: Clip
+    """Which gradients one global norm clips: every one, the dense ones, or none. Sonar's follows
+    `expert_clip` (see `clipped`); each baseline's is fixed and refuses an `expert_clip` it cannot honour."""
+    expert_clips: tuple[ExpertClip, ...]
+    """The `expert_clip` values the method honours."""
+    sonar: bool = False
+    """Expert tensors are updated during backward by `SonarOptimizer`."""
+    granularity: Granularity = "batched"
+    """Sonar: one update per expert tensor ("batched") or per expert slice (the ablation)."""
+    per_param_hooks: bool = False
+    """Every parameter updated in its own post-accumulate-grad hook (oib_all)."""
+
+    @classmethod
+    def named(cls, name: str) -> Method:
+        """The method called `name` (one of `METHODS`)."""
+        if name not in METHOD_KINDS:
+            raise ConfigFieldError(
+                f"unknown method {name!r}: expected one of {', '.join(METHODS)}", field="method"
+            )
+        return METHOD_KINDS[name]
+
+    def clipped(self, cfg: OptimizerConfig) -> Clip:
+        """Which gradients one global norm clips under `cfg` (expert_clip="per_tensor" clips each expert
+        tensor by its own norm besides)."""
+        if not cfg.clips:
+            return "none"
+        if self.sonar:
+            return "all" if cfg.expert_clip == "global" else "dense"
+        return self.clip
+
+    def updates_in_hooks(self, execution: Execution) -> bool:
+        """Whether its in-backward updates run in post-accumulate-grad hooks (not in the graph)."""
+        return self.per_param_hooks or (self.sonar and not (execution.compiled and execution.sonar_pass))
+
+    def check_clip(self, cfg: OptimizerConfig) -> None:
+        """A baseline clips as its name says; an `expert_clip` it cannot honour is refused, not ignored."""
+        if cfg.expert_clip not in self.expert_clips:
+            raise ConfigFieldError(
+                f"method {self.name!r} cannot clip expert gradients {cfg.expert_clip!r}: standard clips all "
+                "gradients together (expert_clip None or 'global'), standard_no_expert_clip the dense ones "
+                "(plus each expert tensor alone with 'per_tensor'), oib_all none. Pick the matching method "
+                "or expert_clip.",
+                field="expert_clip",
+            )
+
+
+_ANY_CLIP: tuple[ExpertClip, ...] = (None, "global", "per_tensor")
+METHOD_KINDS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("standard", clip="all", expert_clips=(None, "global")),
+        Method("standard_no_expert_clip", clip="dense", expert_clips=(None, "per_tensor")),
+        Method("oib_all", clip="none", expert_clips=(None,), per_param_hooks=True),
+        Method("sonar", clip="dense", expert_clips=_ANY_CLIP, sonar=True),
+        Method(
+            "sonar_per_expert", clip="dense", expert_clips=_ANY_CLIP, sonar=True, granularity="per_expert"
+        ),
+    )
+}
+METHODS = tuple(METHOD_KINDS)
+
+
+@dataclass(frozen=True)
+class GradClip:
+    """What a baseline does to gradients at step(), before its optimizers, in this order: scale the
+    expert gradients (expert parallelism), clip `together` by their global norm, then each of `each` by
+    its own norm. The clip rule of every baseline on every engine (`GradClip.of`)."""
+
+    max_norm: float | None = None
+    together: list[nn.Parameter] = field(default_factory=list)
+    each: list[nn.Parameter] = field(default_factory=list)
+    experts: list[nn.Parameter] = field(default_factory=list)
+    expert_scale: float = 1.0
+
+    @classmethod
+    def of(cls, method: Method, cfg: OptimizerConfig, split: Split, expert_scale: float = 1.0) -> GradClip:
+        clipped = method.clipped(cfg)
+        together = {"all": split.params, "dense": split.dense_params, "none": []}[clipped]
+        each = split.expert_params if cfg.clips and cfg.expert_clip == "per_tensor" else []
+        return cls(cfg.max_grad_norm, together, each, split.expert_params, expert_scale)
+
+    def apply_(self) -> None:
+        if self.expert_scale != 1.0:
+            for p in self.experts:
+                if p.grad is not None:
+                    p.grad.mul_(self.expert_scale)
+        if self.max_norm is None:
+            return
+        if self.together:
+            torch.nn.utils.clip_grad_norm_(self.together, self.max_norm)
+        for p in self.each:
+            if p.grad is not None:
+                torch.nn.utils.clip_grad_norm_([p], self.max_norm)
 
 
 @dataclass
 class TrainingMethod:
     """A model to run and the optimizer that trains it, behind one step function."""
 
-    name: str
+    kind: Method
     execution: Execution
     model: Callable[..., Any]
     optimizer: torch.optim.Optimizer | None
-    clip_params: list[nn.Parameter] = field(default_factory=list)
-    """Parameters whose gradients `optimizer_step` clips by global norm (empty: no clipping)."""
-    max_grad_norm: float | None = None
+    clip: GradClip = field(default_factory=GradClip)
+    """A baseline's gradient scaling and clipping before its optimizers step (Sonar clips inside)."""
     hook_optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
-    per_tensor_clip: list[nn.Parameter] = field(default_factory=list)
-    """Parameters whose gradients `optimizer_step` clips each by its own norm (after `clip_params`)."""
     expert_optimizer: torch.optim.Optimizer | None = None
     """A second end-of-step optimizer for the expert tensors (low-bit states: torchao's)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.execution, str):  # a compiler name, as callers built it before `Execution`
-            self.execution = Execution(compiler=cast(api.Compiler, self.execution))
+    @property
+    def name(self) -> str:
+        return self.kind.name
 
     @property
     def compiler(self) -> str:
@@ -103,11 +212,7 @@ class TrainingMethod:
     def optimizer_step(self) -> None:
         if self.optimizer is None:
             return
-        if self.clip_params and self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.clip_params, self.max_grad_norm)
-        for p in self.per_tensor_clip:
-            if p.grad is not None and self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
+        self.clip.apply_()
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -134,73 +239,69 @@ def build_method(
     execution: Execution | None = None,
     compiler: str | None = None,
     sonar_pass: bool | None = None,
+    engine: Engine = SINGLE_PROCESS,
     experts: Any = None,
     **sonar_kwargs: Any,
 ) -> TrainingMethod:
-    """Wrap `model` for training with method `name` (see the module docstring).
+    """Put `model` on `engine` for training with method `name` (see the module docstring).
 
     The execution mode is `execution`, or `Execution(compiler=..., sonar_pass=...)` from the two
-    keywords (default: eager); passing both forms is refused.
+    keywords (default: eager); passing both forms is refused. A combination the engine does not run
+    is refused before anything is built (`check_engine`).
     """
-    if name not in METHODS:
-        raise ValueError(f"Unknown method {name!r}: expected one of {', '.join(METHODS)}.")
+    kind = Method.named(name)
     execution = _execution(execution, compiler, sonar_pass)
-    check_clip(name, cfg)
-    if name.startswith("sonar"):
-        granularity: Granularity = "per_expert" if name == "sonar_per_expert" else "batched"
-        if execution.compiled and not execution.sonar_pass:
-            optimizer = api.prepare(model, cfg, experts=experts, granularity=granularity, **sonar_kwargs)
-            run = _compiled(model, execution.compiler)
-        else:
-            run = api.compile(
-                model, cfg, compiler=execution.compiler, experts=experts, granularity=granularity,
-                **sonar_kwargs,
-            )  # fmt: skip
-            optimizer = api.sonar_of(run)
-        return TrainingMethod(name, execution, run, optimizer)
-    run = _compiled(model, execution.compiler) if execution.compiled else model
-    params = [p for p in model.parameters() if p.requires_grad]
+    kind.check_clip(cfg)
+    check_engine(engine, kind, execution)
+    engine.check_optimizer(cfg)
+    if kind.sonar:
+        run, sonar = engine.sonar(
+            model, cfg, compiler=execution.compiler, sonar_pass=execution.sonar_pass,
+            granularity=kind.granularity, experts=experts, **sonar_kwargs,
+        )  # fmt: skip
+        return TrainingMethod(kind, execution, run, sonar)
+    run = engine.wrap(model, execution.compiler)
     # Expert states stored unlike dense ones (low-bit): the experts get their own optimizer(s).
-    split = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
-    if name == "oib_all" and not split:
-        return TrainingMethod(name, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
-    biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)  # the same split as Sonar's
-    layers = discover_experts(model, experts, expert_biases=biases)
-    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
-    if name == "oib_all":
-        hooked = _hook_every_param(params, cfg, expert_ids)
-        return TrainingMethod(name, execution, run, None, hook_optimizers=hooked)
-    dense = [p for p in params if id(p) not in expert_ids]
-    expert_params = [p for p in params if id(p) in expert_ids]
-    baseline = rule_for(cfg).torch_optimizer(dense if split else params, cfg)
-    expert_optimizer = rule_for(cfg, experts=True).torch_optimizer(expert_params, cfg) if split else None
-    clip = params if name == "standard" else dense
-    per_tensor = expert_params if cfg.expert_clip == "per_tensor" and cfg.clips else []
-    return TrainingMethod(
-        name, execution, run, baseline, clip if cfg.clips else [], cfg.max_grad_norm,
-        per_tensor_clip=per_tensor, expert_optimizer=expert_optimizer,
-    )  # fmt: skip
+    separate = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
+    if kind.per_param_hooks and not separate:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return TrainingMethod(kind, execution, run, None, hook_optimizers=_hook_every_param(params, cfg))
+    # The same split as Sonar's, taken after the engine placed the model (FSDP2 swaps in DTensors).
+    biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)
+    split = ExpertSet.discover(model, experts, expert_biases=biases).split(model)
+    if kind.per_param_hooks:  # expert states stored as Sonar stores them
+        hooked = _hook_every_param(split.params, cfg, {id(p) for p in split.expert_params})
+        return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked)
+    optimizer = rule_for(cfg).torch_optimizer(split.dense_params if separate else split.params, cfg)
+    expert_optimizer = (
+        rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if separate else None
+    )
+    clip = GradClip.of(kind, cfg, split, engine.expert_grad_scale())
+    return TrainingMethod(kind, execution, run, optimizer, clip, expert_optimizer=expert_optimizer)
+
+
+def check_engine(engine: Engine, method: Method, execution: Execution) -> None:
+    """Refuse a method or execution `engine` does not run (`ConfigFieldError` naming the field)."""
+    if engine.methods is not None and method.name not in engine.methods:
+        raise ConfigFieldError(
+            f"method {method.name!r} is not available on the {engine.name} engine; use one of "
+            f"{', '.join(engine.methods)}",
+            field="method",
+        )
+    if execution.compiled and not engine.compiles:
+        raise ConfigFieldError(
+            f"the {engine.name} engine runs eager models only: use compiler 'eager'", field="compiler"
+        )
+    if not execution.sonar_pass and not engine.hooks_on_compiled:
+        raise ConfigFieldError(
+            f"hooks on a compiled model are a single-process ablation, not run on the {engine.name} engine",
+            field="sonar_pass",
+        )
 
 
 def twin_method(cfg: OptimizerConfig) -> str:
     """The end-of-step baseline that Sonar with `cfg` equals bitwise (see the module docstring)."""
     return "standard" if cfg.expert_clip == "global" else "standard_no_expert_clip"
-
-
-def check_clip(name: str, cfg: OptimizerConfig) -> None:
-    """A baseline clips as its name says; an `expert_clip` it cannot honour is refused, not ignored."""
-    allowed = {
-        "standard": (None, "global"),
-        "standard_no_expert_clip": (None, "per_tensor"),
-        "oib_all": (None,),
-    }.get(name)
-    if allowed is not None and cfg.expert_clip not in allowed:
-        raise ConfigFieldError(
-            f"method {name!r} cannot clip expert gradients {cfg.expert_clip!r}: standard clips all gradients "
-            "together (expert_clip None or 'global'), standard_no_expert_clip the dense ones (plus each "
-            "expert tensor alone with 'per_tensor'), oib_all none. Pick the matching method or expert_clip.",
-            field="expert_clip",
-        )
 
 
 def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bool | None) -> Execution:
@@ -210,10 +311,6 @@ def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bo
         return execution
     chosen = cast(api.Compiler, compiler or "eager")
     return Execution(compiler=chosen, sonar_pass=True if sonar_pass is None else sonar_pass)
-
-
-def _compiled(model: nn.Module, compiler: str) -> Callable[..., Any]:
-    return torch.compile(model, backend=compiler)
 
 
 def _hook_every_param(

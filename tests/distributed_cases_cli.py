@@ -40,8 +40,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def resume_is_exact(rank: int) -> dict[str, Any]:
-    """Per engine: 4 steps straight vs 2 steps (--stop-after) then --resume; bitwise equal weights.
-    DDP also: Sonar equals the dense-only-clip baseline through the whole trainer."""
+    """Per engine: 4 steps straight vs 2 steps (--stop-after) then --resume; bitwise equal weights; and
+    Sonar equals the dense-only-clip baseline built on the same engine, through the whole trainer."""
     root = _folder()
     seen: dict[str, Any] = {}
     for engine in ("ddp", "fsdp2", "ep"):
@@ -60,11 +60,10 @@ def resume_is_exact(rank: int) -> dict[str, Any]:
             "moved_after_resume": bool(_same(at_2, final)),
             "files": sorted(p.name for p in straight.iterdir() if not p.name.startswith(".")),
         }
-    baseline = root / "ddp-baseline"
-    seen["ddp"]["baseline_code"] = _finetune(
-        baseline, "--parallel", "ddp", "--method", "standard_no_expert_clip"
-    )
-    seen["ddp"]["vs_baseline"] = _same(
-        _weights(root / "ddp-straight", rank, False), _weights(baseline, rank, False)
-    )
+        baseline = root / f"{engine}-baseline"
+        seen[engine]["baseline_code"] = _finetune(
+            baseline, "--parallel", engine, "--method", "standard_no_expert_clip"
+        )
+        twin = _weights(baseline, rank, sharded)
+        seen[engine]["vs_baseline"] = _same(_weights(straight, rank, sharded), twin)
     return seen

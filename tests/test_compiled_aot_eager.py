@@ -11,11 +11,13 @@ import torch
 
 import sonar_fx
 from sonar_fx.backend import make_sonar_backend
-from sonar_fx.methods import TrainingMethod
+from sonar_fx.methods import Execution, Method, TrainingMethod
 from sonar_fx.models import build_model
 
 from ablations import failing_pass, naive_update_pass
 from helpers import CFG, assert_same_weights, batches, trained, weights_differ
+
+SONAR, AOT_EAGER = Method.named("sonar"), Execution(compiler="aot_eager")
 
 MODELS = ["tiny-olmoe", "tiny-granitemoe"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -43,7 +45,7 @@ def _run_with_backend(backend, model_name="tiny-olmoe", dtype=torch.bfloat16, st
     torch._dynamo.reset()
     model = build_model(model_name, dtype=dtype, seed=0)
     opt = sonar_fx.prepare(model, CFG)
-    method = TrainingMethod("sonar", "aot_eager", torch.compile(model, backend=backend), opt)
+    method = TrainingMethod(SONAR, AOT_EAGER, torch.compile(model, backend=backend), opt)
     for b in batches(steps):
         method.train_step(b)
     return model, opt
@@ -78,6 +80,7 @@ def _disable_layer_1_experts(model):
     experts.forward = torch.compiler.disable(experts.forward)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "paths"),
     [
@@ -170,7 +173,7 @@ def test_dynamo_failure_falls_back_to_hooks_and_warns_once(eager_twins):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = sonar_fx.compile(model, CFG, compiler="aot_eager", fullgraph=True)
-        method = TrainingMethod("sonar", "aot_eager", compiled, compiled.sonar)
+        method = TrainingMethod(SONAR, AOT_EAGER, compiled, compiled.sonar)
         for b in batches(3):
             method.train_step(b)
     assert len([w for w in caught if "sonar: compilation failed" in str(w.message)]) == 1

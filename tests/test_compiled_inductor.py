@@ -11,7 +11,7 @@ import torch
 import sonar_fx
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.memory import measure_peak
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Execution, Method, TrainingMethod, build_method
 from sonar_fx.models import build_model
 
 from helpers import CFG, assert_same_weights, batches, trained
@@ -71,7 +71,9 @@ def test_sonar_backend_after_prepare_equals_sonar_compile(runs):
     torch._dynamo.reset()
     model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
     opt = sonar_fx.prepare(model, CFG)
-    method = TrainingMethod("sonar", "inductor", torch.compile(model, backend="sonar"), opt)
+    method = TrainingMethod(
+        Method.named("sonar"), Execution(compiler="inductor"), torch.compile(model, backend="sonar"), opt
+    )
     for b in batches(3):
         method.train_step(b)
     assert_same_weights(model, runs[("sonar", "tiny-olmoe", torch.bfloat16)][0])

@@ -29,6 +29,19 @@ def test_finds_two_batched_tensors_per_layer(name):
         assert up.param.shape[2] == down.param.shape[1]
 
 
+def test_expert_set_splits_trainable_parameters_in_model_order():
+    model = build_model("tiny-olmoe")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    experts = sonar_fx.ExpertSet.discover(model)
+    split = experts.split(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert [n for n, _ in split.trainable] == trainable and "model.embed_tokens.weight" not in trainable
+    assert [n for n, _ in split.experts] == sorted(experts.names, key=trainable.index)
+    assert {n for n, _ in split.dense} == set(trainable) - set(experts.names)
+    assert all(".experts." not in n for n, _ in split.dense) and len(split.experts) == 4
+    assert experts.names_by_id() == {id(p): n for n, p in split.experts}
+
+
 def test_explicit_experts_by_name_and_by_parameter():
     model = build_model("tiny-olmoe")
     names = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]

@@ -12,7 +12,11 @@ from torch.fx import GraphModule, Node
 
 import sonar_fx
 from sonar_fx.backend import SonarPartitioner
+from sonar_fx.config import ConfigFieldError
 from sonar_fx.distributed import ShardedGrads
+from sonar_fx.engines import SINGLE_PROCESS, DDPEngine, ExpertParallelEngine, FSDP2Engine
+from sonar_fx.errors import ProcessGroupRequired
+from sonar_fx.methods import Execution, build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.reduction import refuse_unreduced
 from sonar_fx.passes.graph_utils import is_view, node_order
@@ -104,12 +108,38 @@ def test_fsdp2_refuses_an_update_from_a_compiled_graph():
         ShardedGrads().reduce_then_update("w", torch.zeros(1), path="graph", reduced="", update=print)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "expert_parallel"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "expert_parallel", "shard_experts_"])
 def test_engines_need_a_process_group(engine):
     import sonar_fx.distributed as sd
 
-    with pytest.raises((sonar_fx.SonarUsageError, RuntimeError), match="init_process_group"):
-        getattr(sd, engine)(build_model("tiny-reference", seed=0), CFG)
+    model = build_model("tiny-reference", seed=0)
+    args = (model,) if engine == "shard_experts_" else (model, CFG)
+    with pytest.raises(
+        ProcessGroupRequired, match=f"sonar_fx.distributed.{engine} needs .*init_process_group"
+    ):
+        getattr(sd, engine)(*args)
+    assert getattr(model, "sonar", None) is None  # refused before anything was set up
+
+
+@pytest.mark.parametrize(
+    "engine, method, execution, cfg, field",
+    [
+        (ExpertParallelEngine(), "standard", Execution(), CFG, "method"),
+        (DDPEngine(), "sonar_per_expert", Execution(), CFG, "method"),
+        (ExpertParallelEngine(), "sonar", Execution(compiler="aot_eager"), CFG, "compiler"),
+        (FSDP2Engine(), "sonar", Execution(compiler="aot_eager", sonar_pass=False), CFG, "sonar_pass"),
+        (DDPEngine(), "sonar", Execution(), sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits"),
+        (DDPEngine(), "standard_no_expert_clip", Execution(),
+         sonar_fx.AdamWConfig(lr=1e-3, max_grad_norm=1.0, expert_clip="per_tensor"), "expert_clip"),
+    ],
+)  # fmt: skip
+def test_an_engine_refuses_what_it_does_not_run_before_building(engine, method, execution, cfg, field):
+    model = build_model("tiny-reference", seed=0)  # no process group: the refusal comes first
+    with pytest.raises(ConfigFieldError) as caught:
+        build_method(method, model, cfg, execution=execution, engine=engine)
+    assert caught.value.field == field and f"the {engine.name} engine" in str(caught.value)
+    assert getattr(model, "sonar", None) is None
+    build_method(method, model, cfg, execution=execution, engine=SINGLE_PROCESS)  # one process runs it
 
 
 @pytest.mark.parametrize(
@@ -133,5 +163,5 @@ def test_cli_engines_refuse_clip_and_state_flags(flags):
     from sonar_fx.trainer.config import ConfigError, TrainConfig
     from sonar_fx.trainer.validate import optimizer_config
 
-    with pytest.raises(ConfigError, match="not supported with --parallel ddp"):
+    with pytest.raises(ConfigError, match="not supported on the ddp engine"):
         optimizer_config(TrainConfig(parallel="ddp", **flags), 1e-3)

@@ -16,6 +16,7 @@ from sonar_fx.memory import (
     process_peak_rss_bytes,
     process_rss_bytes,
     state_bytes,
+    storage_bytes,
 )
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
@@ -103,6 +104,18 @@ def test_state_bytes_count_weights_gradients_and_optimizer_state_once():
     steps = sum(s["step"].numel() * s["step"].element_size() for s in opt.state.values())
     assert moments == 2 * weights and state_bytes(model, [opt]) == weights + moments + steps
     assert state_bytes(model, [opt, opt]) == state_bytes(model, [opt])  # storages are counted once
+
+
+def test_storage_bytes_count_a_view_once_and_a_low_bit_state_by_its_parts():
+    base = torch.zeros(1024)
+    assert storage_bytes([base, base[:10], base.view(32, 32)]) == base.numel() * 4  # one storage
+    assert storage_bytes([base[:10]]) == base.numel() * 4  # the view keeps its whole storage alive
+    assert storage_bytes([base, torch.zeros(1024)]) == 2 * base.numel() * 4  # a copy is a second one
+    torchao_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    state = torchao_8bit.OptimState8bit.zeros((256, 256))
+    names, _ = state.__tensor_flatten__()
+    parts = sum(getattr(state, n).numel() * getattr(state, n).element_size() for n in names)
+    assert storage_bytes([state]) == parts < state.numel() * state.element_size()  # not its fp32 size
 
 
 def test_process_rss_sees_memory_the_process_touches():

@@ -13,6 +13,7 @@ import torch
 import sonar_fx
 from sonar_fx.cli import main
 from sonar_fx.config import AdamWConfig
+from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.memory import ExpertGradBytes, measure_peak, state_bytes
 from sonar_fx.methods import build_method
@@ -62,6 +63,7 @@ def planned(measured):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
 def test_plan_matches_the_measured_step_and_the_saving(planned, measured):
     for name, real in measured.items():
         mine = planned.method(name)
@@ -79,6 +81,7 @@ def test_plan_matches_the_measured_step_and_the_saving(planned, measured):
     assert abs(planned.method("sonar").transient_bytes / measured["standard"]["transient"] - 1) > 0.03
 
 
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
 def test_plan_splits_the_peak_by_category(planned):
     standard, sonar = planned.method("standard"), planned.method("sonar")
     for m in (standard, sonar):
@@ -90,6 +93,7 @@ def test_plan_splits_the_peak_by_category(planned):
     assert sonar.categories["gradients"] < planned.expert_grad.one_layer + standard.categories["weights"] / 3
 
 
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
 def test_budget_gives_the_largest_batch_that_fits(planned):
     for m in planned.methods:
         peaks = m.batch_peaks
@@ -112,6 +116,7 @@ def test_budget_search_is_exact_on_monotone_peaks(curve):
         assert largest_batch(peak_of, budget, start=2, base=10_000) == expected, (curve, budget)
 
 
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
 def test_json_holds_each_method_with_its_categories(planned, tmp_path, capsys):
     data = planned.to_json()
     assert [m["method"] for m in data["methods"]] == ["standard", "sonar"]
@@ -211,7 +216,7 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     doc = tmp_path / "plan.md"
     doc.write_text(f"before\n{plan_accuracy.START}\nold\n{plan_accuracy.END}\nafter\n")
     inv = common.Invocation(
-        script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=common.environment()
+        script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=Environment.now()
     )
     plan_accuracy.write_doc(inv, [plan_accuracy.accuracy_table([row], cfg.methods)], goals, doc)
     text = doc.read_text()

@@ -24,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.reductions import AsyncMeanAllReduce, MeanAllReduce
-from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
+from sonar_fx.optim.reduction import require_process_group
 
 
 def ddp(
@@ -50,7 +51,7 @@ def ddp(
     (eager): overlap each expert all-reduce with the next layer's backward, one more expert gradient
     alive. `ddp_kwargs` go to `DistributedDataParallel` (e.g. `gradient_as_bucket_view=True`).
     """
-    group = _group(process_group)
+    group = require_process_group("sonar_fx.distributed.ddp", process_group)
     if async_reduce and compiler != "eager":
         raise ValueError(
             "async_reduce=True is the eager hooks' overlap; compiled graphs overlap their all-reduce already "
@@ -76,24 +77,12 @@ def ddp(
 
 def expert_names(optimizer: SonarOptimizer) -> list[str]:
     """Qualified names of the optimizer's expert tensors (as `model.named_parameters()` spells them)."""
-    return [t.name for layer in optimizer.expert_layers for t in layer.tensors]
+    return optimizer.experts.names
 
 
 @torch.no_grad()
 def broadcast_experts_(optimizer: SonarOptimizer, group: dist.ProcessGroup) -> None:
     """Give every rank rank 0's expert weights (DDP broadcasts only the parameters it manages)."""
     src = dist.get_global_rank(group, 0)
-    for layer in optimizer.expert_layers:
-        for t in layer.tensors:
-            dist.broadcast(t.param.data, src=src, group=group)
-
-
-def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise SonarUsageError(
-            "sonar_fx.distributed needs an initialised process group: run under torchrun and call "
-            "torch.distributed.init_process_group(...) first."
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    assert group is not None
-    return group
+    for param in optimizer.experts.params:
+        dist.broadcast(param.data, src=src, group=group)

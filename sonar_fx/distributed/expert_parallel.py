@@ -31,11 +31,12 @@ from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.ddp import expert_names
 from sonar_fx.distributed.reductions import LocalExperts
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.experts.grouped import grouped_mm
 from sonar_fx.experts.kernels.base import HF_LAYOUT
-from sonar_fx.optim.errors import SonarUsageError
 from sonar_fx.optim.optimizer import NonFinite
+from sonar_fx.optim.reduction import require_process_group
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,7 @@ def shard_experts_(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     """Replace every experts module of `model` by an `ExpertParallelExperts` holding this rank's
     E/world experts (a copy of its slice; every rank must hold the same full weights before, e.g.
     the same seed); returns the replaced modules' names."""
-    group = group if group is not None else dist.group.WORLD
-    assert group is not None
+    group = require_process_group("sonar_fx.distributed.shard_experts_", group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     replaced = []
     for layer in discover_experts(model):
@@ -189,9 +189,7 @@ def expert_parallel(
     """Shard the experts over ranks (`shard_experts_`, unless `shard=False`: the experts are sharded
     already and named by `experts=`), prepare Sonar with the 1/world scale, and wrap the dense
     parameters in DDP (experts ignored). Eager only. The optimizer is `wrapped.sonar`."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    if group is None:
-        raise SonarUsageError("expert_parallel needs torch.distributed.init_process_group(...) first.")
+    group = require_process_group("sonar_fx.distributed.expert_parallel", process_group)
     if shard:
         shard_experts_(model, group)
     optimizer = api.prepare(

@@ -29,8 +29,9 @@ from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.reductions import ShardedGrads
-from sonar_fx.experts.discovery import ExpertLayer, discover_experts
+from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
+from sonar_fx.optim.reduction import require_process_group
 
 
 def fully_shard_experts(
@@ -63,13 +64,10 @@ def fsdp2(
     its optimizer is `model.sonar`. `compiler` "aot_eager" / "inductor" compiles each block (hooks
     still do the updates, after FSDP2's reduce-scatter). Warns when an expert tensor shares its
     `fully_shard` group with other parameters (exact, but no memory saved)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "sonar_fx.distributed.fsdp2 needs torch.distributed.init_process_group(...) first."
-        )
+    require_process_group("sonar_fx.distributed.fsdp2")
     if not isinstance(model, FSDPModule):
         fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
-    warn_unless_own_groups(model, discover_experts(model, experts))
+    warn_unless_own_groups(model, ExpertSet.discover(model, experts))
     return api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
         regional=compiler != "eager", distributed=ShardedGrads(world_size=dist.get_world_size()),
@@ -77,21 +75,18 @@ def fsdp2(
     )  # fmt: skip
 
 
-def shared_groups(model: nn.Module, layers: list[ExpertLayer]) -> dict[str, list[str]]:
+def shared_groups(model: nn.Module, experts: ExpertSet) -> dict[str, list[str]]:
     """Expert tensor name -> the other parameters in its `fully_shard` group (empty: its own group)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
-    shared: dict[str, list[str]] = {}
-    for layer in layers:
-        for t in layer.tensors:
-            owner = _group_owner(model, t.name)
-            mates = [names[id(p)] for p in _group_params(owner) if id(p) not in expert_ids]
-            shared[t.name] = mates
-    return shared
+    expert_ids = experts.names_by_id()
+    others = {id(p): n for n, p in model.named_parameters() if id(p) not in expert_ids}  # frozen ones too
+    return {
+        name: [others[id(p)] for p in _group_params(_group_owner(model, name)) if id(p) in others]
+        for name in experts.names
+    }
 
 
-def warn_unless_own_groups(model: nn.Module, layers: list[ExpertLayer]) -> None:
-    crowded = {name: mates for name, mates in shared_groups(model, layers).items() if mates}
+def warn_unless_own_groups(model: nn.Module, experts: ExpertSet) -> None:
+    crowded = {name: mates for name, mates in shared_groups(model, experts).items() if mates}
     if crowded:
         name, mates = next(iter(crowded.items()))
         warnings.warn(

@@ -20,12 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-
-def storage_key(t: Tensor) -> tuple[int, int]:
-    """(data pointer, bytes) of the storage behind `t` (a DTensor's local shard for a DTensor)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    storage = local.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+from sonar_fx.memory import storage_bytes
 
 
 def ddp_bucket_bytes(model: DistributedDataParallel) -> int:
@@ -64,9 +59,8 @@ class GradStorageCounter:
             self.skip |= {id(p) for n, p in model.module.named_parameters() if n not in ignored}
 
     def live_bytes(self) -> int:
-        storages = {storage_key(p.grad) for p in self.params if p.grad is not None and id(p) not in self.skip}
-        storages |= {storage_key(g) for g in self.held()}
-        return self.constant_bytes + sum(nbytes for _, nbytes in storages)
+        grads = [p.grad for p in self.params if p.grad is not None and id(p) not in self.skip]
+        return self.constant_bytes + storage_bytes([*grads, *self.held()])
 
     def sample(self) -> int:
         live = self.live_bytes()

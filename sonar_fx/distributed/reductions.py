@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.reduction import Update
 from sonar_fx.passes.reduce_grads import GraphReduce
 

@@ -8,7 +8,8 @@ small per-expert tensors: `expert_biases="experts"` (the default: they belong to
 updated in backward with them and are never clipped) or `"dense"` (clipped and updated at `step()`
 with the dense parameters). Shared experts are dense by design: they see every token, so their
 gradients are not the routed, per-expert ones Sonar frees early. Frozen tensors are left out of a
-layer, with a warning when the layer is only partly frozen.
+layer, with a warning when the layer is only partly frozen. The result, as an `ExpertSet`, is the one
+place that says which parameters are experts and which are dense (`ExpertSet.split`).
 Discovery only reads the model; it never wraps, moves or copies a parameter.
 """
 
@@ -73,8 +74,9 @@ class ExpertLayer:
         return self.experts or self.tensors[0].num_experts
 
     def grad_bytes(self) -> int:
-        """Bytes of this layer's expert gradients (same dtype and shape as the parameters)."""
-        return sum(t.param.numel() * t.param.element_size() for t in self.tensors)
+        """Bytes of this layer's expert gradients on this rank (same dtype and shape as the parameters;
+        an FSDP2 DTensor counts its local shard)."""
+        return sum(_local(t.param).numel() * t.param.element_size() for t in self.tensors)
 
     def describe(self) -> dict[str, Any]:
         """What was found, as plain data (for reports, `sonar-fx inspect`, JSON)."""
@@ -101,6 +103,76 @@ class ExpertLayer:
 
 class NoExpertsFoundError(ValueError):
     """Raised when a model has no expert tensors that discovery recognises."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model's trainable parameters as (name, parameter), in the model's order, split by an
+    `ExpertSet` into dense and expert ones."""
+
+    trainable: list[tuple[str, nn.Parameter]]
+    dense: list[tuple[str, nn.Parameter]]
+    experts: list[tuple[str, nn.Parameter]]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.trainable]
+
+    @property
+    def dense_params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.dense]
+
+    @property
+    def expert_params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.experts]
+
+
+@dataclass(frozen=True)
+class ExpertSet:
+    """A model's expert tensors, layer by layer: the one answer to "which parameters are experts".
+
+    Everything that separates experts from dense parameters asks this object (`split`, `names_by_id`),
+    so the rule is written once. It holds the parameter objects themselves: after an engine replaces them
+    (FSDP2's `fully_shard` swaps in DTensors), discover again.
+    """
+
+    layers: tuple[ExpertLayer, ...]
+
+    @classmethod
+    def discover(
+        cls,
+        model: nn.Module,
+        experts: Iterable[nn.Parameter | str] | None = None,
+        *,
+        expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
+    ) -> ExpertSet:
+        """The expert set of `model` (`discover_experts`: by structure, or the explicit `experts`)."""
+        return cls(tuple(discover_experts(model, experts, expert_biases=expert_biases)))
+
+    @property
+    def tensors(self) -> list[ExpertTensor]:
+        return [t for layer in self.layers for t in layer.tensors]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Expert parameters in discovery order (layer by layer)."""
+        return [t.param for t in self.tensors]
+
+    @property
+    def names(self) -> list[str]:
+        """Qualified names (as `model.named_parameters()` spells them), in discovery order."""
+        return [t.name for t in self.tensors]
+
+    def names_by_id(self) -> dict[int, str]:
+        """id(parameter) -> name; computed on each call, so a copied set never answers with stale ids."""
+        return {id(t.param): t.name for t in self.tensors}
+
+    def split(self, model: nn.Module) -> Split:
+        """`model`'s trainable parameters in its own order, split into dense and expert ones."""
+        ids = self.names_by_id()
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        dense = [(n, p) for n, p in trainable if id(p) not in ids]
+        return Split(trainable, dense, [(n, p) for n, p in trainable if id(p) in ids])
 
 
 def discover_experts(
@@ -271,3 +343,8 @@ def _modules_declaring_experts(model: nn.Module) -> str:
     if not lines:
         return ""
     return "Modules that declare an expert count, and their parameters:\n" + "\n".join(lines) + "\n"
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (what this rank's memory holds); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t

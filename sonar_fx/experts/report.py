@@ -1,17 +1,16 @@
-"""What discovery found in a model, as plain data and as text: `sonar-fx inspect --model ...`.
+"""What discovery found in a model, as plain data and as text (what `sonar-fx inspect` prints).
 
 For: users checking, before any training, which tensors Sonar will update in backward and which stay
 dense. Per layer: the expert tensors with their roles and per-expert shapes, what is frozen, where
 per-expert biases go, and the dense modules of the same MoE block (router, shared experts: dense by
 design, since they see every token); for the model: 3-D parameters that were NOT taken as experts,
-and why. It reads the model only; it never trains, moves or changes a parameter.
+and why. It reads the model only; it never trains, moves or changes a parameter, builds a model or
+prints (the command line does both).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,11 +18,10 @@ from torch import nn
 
 from sonar_fx.experts.discovery import (
     DEFAULT_EXPERT_BIASES,
-    EXPERT_BIASES,
     ExpertBiases,
     ExpertLayer,
+    ExpertSet,
     NoExpertsFoundError,
-    discover_experts,
 )
 from sonar_fx.experts.structure import declared_counts
 
@@ -46,14 +44,14 @@ def discovery_report(
 ) -> dict[str, Any]:
     """Plain data (JSON-ready) describing the expert/dense split discovery makes for `model`."""
     try:
-        layers = discover_experts(model, experts, expert_biases=expert_biases)
+        found = ExpertSet.discover(model, experts, expert_biases=expert_biases)
     except NoExpertsFoundError as err:
         return {"found": False, "error": str(err), "expert_biases": expert_biases}
+    layers = list(found.layers)
     modules = dict(model.named_modules())
-    expert_ids = {id(t.param) for layer in layers for t in layer.tensors}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    n_expert = sum(p.numel() for p in trainable if id(p) in expert_ids)
-    n_all = sum(p.numel() for p in trainable)
+    split = found.split(model)
+    n_expert = sum(p.numel() for p in split.expert_params)
+    n_all = sum(p.numel() for p in split.params)
     return {
         "found": True,
         "expert_biases": expert_biases,
@@ -153,29 +151,3 @@ def format_report(report: dict[str, Any]) -> str:
 
 def report_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=1)
-
-
-def add_inspect_flags(p: argparse.ArgumentParser) -> None:
-    """Flags of `sonar-fx inspect`."""
-    p.add_argument(
-        "--model", required=True,
-        help="a built-in tiny model name, hf:<model_type> (a tiny config of any MoE family in transformers, "
-        "built on the meta device), or a local checkpoint directory (its config, on the meta device)",
-    )  # fmt: skip
-    p.add_argument("--expert-biases", choices=EXPERT_BIASES, default=DEFAULT_EXPERT_BIASES)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def inspect_command(args: argparse.Namespace) -> int:
-    """`sonar-fx inspect`: print what discovery finds; exit 2 for a model it cannot build or without
-    experts."""
-    from sonar_fx.models.families import build_for_inspect
-
-    try:
-        model = build_for_inspect(args.model)
-    except ValueError as err:
-        print(f"sonar-fx inspect: error: {err}", file=sys.stderr)
-        return 2
-    report = discovery_report(model, expert_biases=args.expert_biases)
-    print(report_json(report) if args.json else format_report(report))
-    return 0 if report["found"] else 2

@@ -35,7 +35,7 @@ from torch import nn
 
 from sonar_fx.api import sonar_of
 from sonar_fx.config import AdamWConfig
-from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.optimizer import SonarOptimizer
 
 try:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.errors import SonarUsageError
 from sonar_fx.optim.update_rule import State, UpdateRule
 
 BLOCK_SIZE = {8: 256, 4: 128}

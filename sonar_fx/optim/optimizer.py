@@ -22,10 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.experts.discovery import ExpertLayer
+from sonar_fx.errors import NonFiniteGradientError, SonarUsageError
+from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import lowbit
 from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
-from sonar_fx.optim.errors import NonFiniteGradientError, SonarUsageError
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.rules import rule_for
@@ -37,7 +37,7 @@ Granularity = Literal["batched", "per_expert"]
 NonFinite = Literal["raise", "skip", "ignore"]
 NONFINITE = ("raise", "skip", "ignore")
 
-__all__ = ["Accumulation", "Granularity", "NonFinite", "SonarOptimizer", "SonarUsageError"]
+__all__ = ["Accumulation", "Granularity", "NonFinite", "SonarOptimizer"]
 
 
 class SonarOptimizer(torch.optim.Optimizer):
@@ -54,10 +54,14 @@ class SonarOptimizer(torch.optim.Optimizer):
         nonfinite: NonFinite = "raise",
         dense_names: Sequence[str] | None = None,
         param_order: Sequence[nn.Parameter] | None = None,
+        compiler: str = "eager",
+        distributed: GradReduction | None = None,
     ) -> None:
         """`param_order`: every trainable parameter in the model's order (`model.parameters()`), the
         order in which expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model
-        would (default: dense, then experts)."""
+        would (default: dense, then experts). `compiler`: what compiles the model's forward ("eager":
+        nothing; reported by `report()`). `distributed`: how expert gradients are reduced across ranks
+        before their update (None: one process); `sonar_fx.distributed` passes it."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
@@ -70,15 +74,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.granularity = granularity
         self.accumulation = accumulation
         self.nonfinite = nonfinite
-        self.expert_layers = list(expert_layers)
+        self.experts = ExpertSet(tuple(expert_layers))
         self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
-        self.compiler = "eager"
-        self.distributed: GradReduction | None = None
-        """Reduces expert gradients across ranks before their update (None: one process); set by
-        `sonar_fx.distributed`."""
+        self.compiler = compiler
+        self.distributed = distributed
         defaults = self.rule.defaults(cfg)
-        experts = [t.param for layer in expert_layers for t in layer.tensors]
+        experts = self.experts.params
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
         rank = {id(p): i for i, p in enumerate(order)}
         # Position in model order of each param, in param-group order: plain ints, so copies keep it.
@@ -96,8 +98,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._skip_flags: dict[str, Tensor] = {}
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
-        self._names = {id(t.param): t.name for layer in self.expert_layers for t in layer.tensors}
-        params = [t.param for layer in self.expert_layers for t in layer.tensors]
+        self._names = self.experts.names_by_id()
+        params = self.experts.params
         for p in params:
             registry.bind(p, self)
         handles = hooks.register_expert_hooks(params)
@@ -113,7 +115,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             "granularity",
             "accumulation",
             "nonfinite",
-            "expert_layers",
+            "experts",
             "dense_names",
             "stats",
         )
@@ -127,6 +129,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._bind()  # a deep copy binds the copied tensors (its model's, when the model was copied)
 
     # ------------------------------------------------------------------------------------ updates
+
+    @property
+    def expert_layers(self) -> list[ExpertLayer]:
+        return list(self.experts.layers)
 
     @property
     def dense_group(self) -> dict[str, Any]:

@@ -6,18 +6,23 @@ the one every rank would see after the engine's reduction. A `GradReduction` (se
 `optimizer.distributed` by `sonar_fx.distributed`) turns the local gradient into that one and calls
 the update, at once or later in the same backward (an asynchronous all-reduce). With no reduction set
 the optimizer runs alone and refuses a multi-process run, where it would train each rank's copy
-differently. This module never talks to torch.distributed itself and never updates anything.
+differently. The process-group requirement of every engine is here too (`require_process_group`,
+raising `ProcessGroupRequired`), so all of them refuse a missing group alike. This module only asks
+torch.distributed whether a group runs; it never communicates and never updates anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from sonar_fx.optim.errors import SonarUsageError
+from sonar_fx.errors import ProcessGroupRequired, SonarUsageError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 Update = Callable[[Tensor], None]
 """Apply the update of one expert tensor with the given (reduced) gradient."""
@@ -62,11 +67,31 @@ def refuse_unreduced(name: str, reduced: str) -> None:
             "distributed setup: the graph was compiled for a distributed model and reused for this one. "
             "Set both up the same way (sonar_fx.distributed.ddp for data parallel runs)."
         )
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    world = running_world_size()
+    if world > 1:
         raise SonarUsageError(
-            f"{name}: torch.distributed runs {dist.get_world_size()} processes, so this gradient is this "
+            f"{name}: torch.distributed runs {world} processes, so this gradient is this "
             "rank's local one and Sonar would update each rank's copy differently. Set the model up with "
             "sonar_fx.distributed (ddp, fully_shard_experts or expert_parallel), which reduces expert "
             "gradients across ranks before the update."
         )
+
+
+def running_world_size() -> int:
+    """Processes in torch.distributed's default group (1 when none is initialised)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def require_process_group(who: str, group: ProcessGroup | None = None) -> ProcessGroup:
+    """`group`, or the default group when None; raises `ProcessGroupRequired` naming `who` and the fix
+    when torch.distributed has no initialised process group (every engine checks here)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ProcessGroupRequired(
+            f"{who} needs an initialised process group: run under torchrun and call "
+            "torch.distributed.init_process_group(...) first."
+        )
+    chosen = group if group is not None else dist.group.WORLD
+    assert chosen is not None  # the default group exists once one is initialised
+    return chosen

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from sonar_fx.optim.errors import InterruptedStepError, SonarUsageError
+from sonar_fx.errors import InterruptedStepError, SonarUsageError
 
 Accumulation = Literal["per_microbatch"] | None
 NO_TASK = -1  # what autograd reports outside any backward

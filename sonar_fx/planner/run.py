@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sonar_fx.config import ConfigFieldError, OptimizerConfig
-from sonar_fx.methods import TrainingMethod, build_method, check_clip
+from sonar_fx.config import OptimizerConfig
+from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, real_step_paths
 from sonar_fx.planner.models import ModelSource
 from sonar_fx.planner.tracker import StepTracker
@@ -110,9 +110,7 @@ def method_config(base: str, cfg: OptimizerConfig, fields: dict[str, object]) ->
     """`cfg` with a plan method's fields; a baseline that cannot clip expert gradients as `cfg` asks
     keeps its own clipping (standard clips every gradient, standard_no_expert_clip the dense ones)."""
     cfg = dataclasses.replace(cfg, **fields)  # type: ignore[arg-type]
-    try:
-        check_clip(base, cfg)
-    except ConfigFieldError:
+    if cfg.expert_clip not in Method.named(base).expert_clips:
         cfg = dataclasses.replace(cfg, expert_clip=None)
     return cfg
 

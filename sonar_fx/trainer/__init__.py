@@ -5,8 +5,8 @@ One `Trainer` owns the step loop; its parts are small modules, each with one job
 place), `plan` (`plan_run`: flags, output folder, data, resume checkpoint, before any model exists),
 `schedule` (warm-up + cosine LR), `checkpoint` (atomic, checksummed, refused when corrupted or from
 another run), `rundir` (run files, lock, atomic writes, stale temp files), `metrics` (metrics.jsonl,
-the summary's aggregates), `signals` (SIGTERM/SIGINT at step boundaries), `environment` (versions and
-hardware), `loop` (`Trainer`), `run` (`train`: plan, build, train, summary).
+the summary's aggregates), `signals` (SIGTERM/SIGINT at step boundaries), `parallel` (this process's
+place in the run: engine, rank, world), `loop` (`Trainer`), `run` (`train`: plan, build, train, summary).
 Dependencies point one way: cli -> trainer -> methods -> api. Never: change a method's arithmetic,
 contact a hub, or start training on input it has not validated.
 """

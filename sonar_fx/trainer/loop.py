@@ -22,13 +22,10 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx import data as D
-from sonar_fx.distributed.reductions import any_rank
-from sonar_fx.memory import measure_peak
+from sonar_fx.memory import high_water_mib, measure_peak, state_bytes
 from sonar_fx.methods import TrainingMethod
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.trainer import checkpoint as ckpt_io
-from sonar_fx.trainer import parallel as par
-from sonar_fx.trainer.environment import memory_now, tensor_state_bytes
 from sonar_fx.trainer.metrics import MetricsFile, RunStats
 from sonar_fx.trainer.plan import RunPlan
 from sonar_fx.trainer.rundir import METRICS
@@ -103,7 +100,7 @@ class Trainer:
             (plan.start, plan.checkpoint_path) if plan.checkpoint_path is not None else None
         )
         self.parallel = plan.parallel
-        self.writer = self.parallel is None or self.parallel.writer
+        self.writer = self.parallel.writer
         """Rank 0 (or the only process) logs and writes the run's files."""
 
     def run(self) -> Outcome:
@@ -129,7 +126,7 @@ class Trainer:
                 metrics.write(record)
                 done = step + 1
                 # Ranks get a signal at different moments: stop at the same step boundary on all.
-                stopping = stop.requested if self.parallel is None else any_rank(stop.requested)
+                stopping = self.parallel.any_rank(stop.requested)
                 if cfg.checkpoint and (done == self.end or stopping or self._due(done)):
                     self._save(done)
                 bar.set_postfix(_postfix(record), refresh=False)
@@ -158,28 +155,24 @@ class Trainer:
 
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        if self.parallel is None:
-            batch = self.stream.next_batch()
-            n_tok = D.supervised_tokens(batch)
-        else:
-            batch, n_tok = par.rank_batch(self.stream, self.parallel)  # n_tok: every rank's tokens
+        batch, n_tok = self.parallel.rank_batch(self.stream)  # n_tok: every rank's tokens
         if cfg.pad_to_max_len:
             batch = D.pad_to(batch, cfg.max_len, self.plan.tokenizer.pad_id)
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         lr = self.method.optimizers[0].param_groups[0]["lr"]
         t0 = time.perf_counter()
         if step == self.measure_at:
-            state_bytes = tensor_state_bytes(self.model, self.method.optimizers)
+            held = state_bytes(self.model, self.method.optimizers)
             loss, peak = measure_peak(lambda: self.method.train_step(batch), self.device)
             self.stats.peak = {
                 "step": step + 1,
-                "state_bytes": state_bytes,
+                "state_bytes": held,
                 "transient_bytes": peak.peak_bytes,
             }
         else:
             loss = self.method.train_step(batch)
         # synchronizes, so the time below is the whole step; ranks log the mean loss over ranks
-        loss_value = float(loss) if self.parallel is None else par.mean_over_ranks(loss)
+        loss_value = self.parallel.mean_loss(loss)
         seconds = time.perf_counter() - t0
         finite = math.isfinite(loss_value)
         if not finite and self.cfg.nonfinite == "raise":
@@ -195,8 +188,8 @@ class Trainer:
         return {"step": step + 1, "loss": loss_value if finite else None, "nonfinite_loss": not finite,
                 "lr": lr, "step_ms": seconds * 1e3, "supervised_tokens": n_tok,
                 "tokens_per_s": n_tok / seconds, "epoch": self.stream.epoch,
-                "world_size": self.parallel.world if self.parallel else 1,
-                **self._grad_norms(), **memory_now(self.device)}  # fmt: skip
+                "world_size": self.parallel.world,
+                **self._grad_norms(), **high_water_mib(self.device)}  # fmt: skip
 
     def _grad_norms(self) -> dict[str, Any]:
         """Sonar's gradient norms of the step (taken inside its updates; before clipping)."""
@@ -217,11 +210,9 @@ class Trainer:
         return evaluate(self.model, self.plan.held_out, bs, self.plan.tokenizer.pad_id, self.device)
 
     def _save(self, done: int) -> None:
-        path = self.plan.out / ckpt_io.FILENAME
-        if self.parallel is not None:
-            path = self.parallel.checkpoint_path(path)  # sharded engines: one file per rank
-        if self.writer or (self.parallel is not None and self.parallel.sharded):
-            model, optimizers = par.checkpoint_views(self.parallel, self.model, self.method)
+        path = self.parallel.checkpoint_path(self.plan.out / ckpt_io.FILENAME)  # sharded: one file per rank
+        if self.writer or self.parallel.sharded:
+            model, optimizers = self.parallel.checkpoint_views(self.model, self.method)
             ckpt_io.save_checkpoint(
                 path,
                 identity=self.plan.identity,
@@ -231,8 +222,7 @@ class Trainer:
                 schedulers=self.schedulers,
                 stream_state=self.stream.state_dict(),
             )
-        if self.parallel is not None:
-            torch.distributed.barrier()  # every rank's file is written before any goes on
+        self.parallel.barrier()  # every rank's file is written before any goes on
         self.saved = (done, path)
 
 

@@ -1,51 +1,44 @@
-"""`--parallel ddp|fsdp2|ep`: a fine-tuning run on every process that torchrun started.
+"""This process's place in a run: one process, or `--parallel ddp|fsdp2|ep` on every process torchrun started.
 
-For: the run's place among the processes (`Parallel`: engine, rank, world size, from torchrun's
-environment), the process group, the method built on the engine (`build_parallel_method`: Sonar and
-the dense-only-clip baseline, plus the global-clip baseline on DDP and FSDP2), each rank's batch (all
-ranks draw the same `world` batches from one seeded stream and keep their own, so the stream state is
-the same everywhere and resumes exactly), the agreement of ranks (mean loss, stop requests) and the
-checkpoint files: rank 0 writes the run's files; on the sharded engines every other rank writes its
-own `checkpoint.rank<r>.pt` beside it, holding its local shards (FSDP2 DTensors as local tensors).
-A checkpoint resumes on the same engine and world size only. Never: write from a rank other than 0
-outside its own checkpoint file.
+For: `Parallel` (the engine, rank and world size; one process is world 1, so the trainer never asks
+whether a run is distributed), its process group, each rank's batch (all ranks draw the same `world`
+batches from one seeded stream and keep their own, so the stream state is the same everywhere and
+resumes exactly), the agreement of ranks (mean loss, stop requests, a barrier) and the checkpoint
+files: rank 0 writes the run's files; on the sharded engines every other rank writes its own
+`checkpoint.rank<r>.pt` beside it, holding its local shards (FSDP2 DTensors as local tensors). The
+method is built on `Parallel.engine` by `sonar_fx.methods.build_method`, like any other. A checkpoint
+resumes on the same engine and world size only. Never: write from a rank other than 0 outside its own
+checkpoint file.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from sonar_fx import data as D
-from sonar_fx.config import OptimizerConfig
-from sonar_fx.methods import Execution, TrainingMethod
-from sonar_fx.optim.rules import rule_for
+from sonar_fx.config import ConfigFieldError
+from sonar_fx.distributed.reductions import any_rank, collective_device
+from sonar_fx.engines import ENGINES, SINGLE_PROCESS, Engine
+from sonar_fx.methods import Execution, Method, TrainingMethod, check_engine
 from sonar_fx.trainer.config import ConfigError
-
-Engine = Literal["ddp", "fsdp2", "ep"]
-ENGINES: tuple[str, ...] = ("ddp", "fsdp2", "ep")
-METHODS_ON = {
-    "ddp": ("sonar", "standard", "standard_no_expert_clip"),
-    "fsdp2": ("sonar", "standard", "standard_no_expert_clip"),
-    # A global clip over EP's local expert gradients would differ per rank: dense-only clip only.
-    "ep": ("sonar", "standard_no_expert_clip"),
-}
+from sonar_fx.trainer.validate import field_error
 
 
 @dataclass(frozen=True)
 class Parallel:
-    """This process's place in a `--parallel` run."""
+    """This process's place in a run (one process: the single-process engine, rank 0 of 1)."""
 
-    engine: Engine
-    rank: int
-    world: int
+    engine: Engine = field(default_factory=lambda: SINGLE_PROCESS)
+    rank: int = 0
+    world: int = 1
 
     @property
     def writer(self) -> bool:
@@ -55,7 +48,7 @@ class Parallel:
     @property
     def sharded(self) -> bool:
         """Ranks hold different state (FSDP2 shards, EP experts): each saves its own checkpoint file."""
-        return self.engine != "ddp"
+        return self.engine.sharded
 
     def checkpoint_path(self, path: Path) -> Path:
         """This rank's checkpoint file beside rank 0's `path`."""
@@ -63,11 +56,67 @@ class Parallel:
             return path
         return path.with_name(f"{path.stem}.rank{self.rank}{path.suffix}")
 
+    def check(self, method: str, execution: Execution) -> None:
+        """Refuse a method or execution mode the engine does not run, naming the flag."""
+        try:
+            check_engine(self.engine, Method.named(method), execution)
+        except ConfigFieldError as exc:
+            raise field_error(exc) from exc
 
-def from_env(engine: str | None) -> Parallel | None:
-    """The `Parallel` of `--parallel engine` from torchrun's RANK / WORLD_SIZE (None without it)."""
+    def join(self, device: str) -> bool:
+        """Join torchrun's process group (gloo on CPU, nccl on CUDA); True if this call created it."""
+        if not self.engine.distributed or dist.is_initialized():
+            return False
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        if dist.get_world_size() != self.world:
+            raise RuntimeError(
+                f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {self.world}"
+            )
+        return True
+
+    def rank_batch(self, stream: D.BatchStream) -> tuple[dict[str, Tensor], int]:
+        """This rank's batch of the step and the supervised tokens of the whole step (all ranks)."""
+        batches = [stream.next_batch() for _ in range(self.world)]
+        return batches[self.rank], sum(D.supervised_tokens(b) for b in batches)
+
+    def mean_loss(self, loss: Tensor) -> float:
+        """The step's loss as data parallelism averages it: the mean over ranks (synchronises)."""
+        if not self.engine.distributed:
+            return float(loss)
+        total = loss.detach().float().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total) / dist.get_world_size()
+
+    def any_rank(self, local: bool) -> bool:
+        """Whether `local` holds on any rank; every rank calls it at the same point."""
+        return any_rank(local) if self.engine.distributed else local
+
+    def from_writer(self, value: int) -> int:
+        """Rank 0's `value` on every rank."""
+        if not self.engine.distributed:
+            return value
+        held = torch.tensor([value], device=collective_device())
+        dist.broadcast(held, src=0)
+        return int(held)
+
+    def barrier(self) -> None:
+        """Every rank reaches this point before any goes on."""
+        if self.engine.distributed:
+            dist.barrier()
+
+    def checkpoint_views(self, model: nn.Module, method: TrainingMethod) -> tuple[Any, list[Any]]:
+        """What a checkpoint saves and loads: the model and optimizers, DTensors as local tensors."""
+        if not self.engine.local_state:
+            return model, list(method.optimizers)
+        return LocalState(model), [LocalState(opt) for opt in method.optimizers]
+
+
+def from_env(engine: str | None) -> Parallel:
+    """The `Parallel` of `--parallel engine` from torchrun's RANK / WORLD_SIZE (one process without it)."""
     if engine is None:
-        return None
+        return Parallel()
     if engine not in ENGINES:
         raise ConfigError(
             f"--parallel {engine!r} is invalid: expected one of {', '.join(ENGINES)}", flag="--parallel"
@@ -78,145 +127,10 @@ def from_env(engine: str | None) -> Parallel | None:
             "torchrun --nproc-per-node 2 -m sonar_fx finetune ... --parallel " + engine,
             flag="--parallel",
         )
-    return Parallel(engine, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))  # type: ignore[arg-type]
-
-
-def check(parallel: Parallel, method: str, execution: Execution) -> None:
-    """Refuse combinations the engines do not run, naming the flag."""
-    if method not in METHODS_ON[parallel.engine]:
-        raise ConfigError(
-            f"--method {method} is not available with --parallel {parallel.engine}; use one of "
-            f"{', '.join(METHODS_ON[parallel.engine])}",
-            flag="--method",
-        )
-    if parallel.engine == "ep" and execution.compiled:
-        raise ConfigError("--parallel ep runs eagerly: pass --compiler eager", flag="--compiler")
-    if not execution.sonar_pass:
-        raise ConfigError(
-            "--hooks-on-compiled is a single-process ablation; drop it", flag="--hooks-on-compiled"
-        )
-
-
-def init_process_group(parallel: Parallel, device: str) -> bool:
-    """Join torchrun's process group (gloo on CPU, nccl on CUDA); True if this call created it."""
-    if dist.is_initialized():
-        return False
-    if device.startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if dist.get_world_size() != parallel.world:
-        raise RuntimeError(
-            f"process group has {dist.get_world_size()} ranks, WORLD_SIZE says {parallel.world}"
-        )
-    return True
-
-
-def rank_batch(stream: D.BatchStream, parallel: Parallel) -> tuple[dict[str, Tensor], int]:
-    """This rank's batch of the step and the supervised tokens of the whole step (all ranks)."""
-    batches = [stream.next_batch() for _ in range(parallel.world)]
-    return batches[parallel.rank], sum(D.supervised_tokens(b) for b in batches)
-
-
-def mean_over_ranks(value: Tensor) -> float:
-    """The mean of a scalar over ranks (the step's loss, as data parallelism averages it)."""
-    total = value.detach().float().reshape(1).clone()
-    dist.all_reduce(total)
-    return float(total) / dist.get_world_size()
-
-
-def build_parallel_method(
-    parallel: Parallel,
-    name: str,
-    model: nn.Module,
-    opt_cfg: OptimizerConfig,
-    execution: Execution,
-    **sonar_kwargs: Any,
-) -> TrainingMethod:
-    """The method `name` on the engine (see the module docstring)."""
-    import sonar_fx.distributed as sd
-
-    compiler = execution.compiler
-    if name == "sonar":
-        if parallel.engine == "ddp":
-            run: Any = sd.ddp(model, opt_cfg, compiler=compiler, **sonar_kwargs)
-        elif parallel.engine == "fsdp2":
-            run = sd.fsdp2(model, opt_cfg, compiler=compiler, **sonar_kwargs)
-        else:
-            run = sd.expert_parallel(model, opt_cfg, **sonar_kwargs)
-        return TrainingMethod(name, execution, run, run.sonar)
-    return _standard(parallel, name, model, opt_cfg, execution)
-
-
-def _standard(
-    parallel: Parallel, name: str, model: nn.Module, opt_cfg: OptimizerConfig, execution: Execution
-) -> TrainingMethod:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import sonar_fx.distributed as sd
-    from sonar_fx.experts.discovery import discover_experts
-
-    if parallel.engine == "ep":
-        sd.shard_experts_(model)
-    expert_ids = {id(t.param) for layer in discover_experts(model) for t in layer.tensors}
-    run: Any
-    if parallel.engine == "fsdp2":
-        sd.fully_shard_experts(model)
-        run = model
-        if execution.compiled:
-            for block in _blocks(model):
-                block.compile(backend=execution.compiler)
-    else:
-        if parallel.engine == "ep":
-            names = [n for n, p in model.named_parameters() if id(p) in expert_ids]
-            DDP._set_params_and_buffers_to_ignore_for_model(model, names)
-        run = DDP(model)
-        if execution.compiled:
-            run = torch.compile(run, backend=execution.compiler)
-    expert_ids = {
-        id(t.param) for layer in discover_experts(model) for t in layer.tensors
-    }  # FSDP2 swapped them
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = params if name == "standard" else [p for p in params if id(p) not in expert_ids]
-    baseline = rule_for(opt_cfg).torch_optimizer(params, opt_cfg)
-    scale = 1.0 / parallel.world if parallel.engine == "ep" else 1.0
-    experts = [p for p in params if id(p) in expert_ids]
-    clip = clip if opt_cfg.clips else []
-    return _ScaledExperts(name, execution, run, baseline, clip, opt_cfg.max_grad_norm, experts=experts,
-                          expert_scale=scale)  # fmt: skip
-
-
-class _ScaledExperts(TrainingMethod):
-    """A standard method whose expert gradients are scaled before clipping (EP: by 1/world)."""
-
-    def __init__(self, *args: Any, experts: list[nn.Parameter], expert_scale: float) -> None:
-        super().__init__(*args)
-        self.experts, self.expert_scale = experts, expert_scale
-
-    def optimizer_step(self) -> None:
-        if self.expert_scale != 1.0:
-            for p in self.experts:
-                if p.grad is not None:
-                    p.grad.mul_(self.expert_scale)
-        super().optimizer_step()
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    from sonar_fx.compiled import repeated_blocks
-    from sonar_fx.experts.discovery import discover_experts
-
-    return [b for _, b in repeated_blocks(model, [layer.name for layer in discover_experts(model)])]
+    return Parallel(ENGINES[engine], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-
-
-def checkpoint_views(
-    parallel: Parallel | None, model: nn.Module, method: TrainingMethod
-) -> tuple[Any, list[Any]]:
-    """What a checkpoint saves and loads: the model and optimizers, FSDP2 shards as local tensors."""
-    if parallel is None or parallel.engine != "fsdp2":
-        return model, list(method.optimizers)
-    return LocalState(model), [LocalState(opt) for opt in method.optimizers]
 
 
 class LocalState:

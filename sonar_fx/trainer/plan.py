@@ -10,7 +10,7 @@ by the trainer once the whole plan is valid).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.trainer import checkpoint as ckpt_io
 from sonar_fx.trainer.config import ConfigError, TrainConfig, run_identity
-from sonar_fx.trainer.parallel import Parallel, check, from_env
+from sonar_fx.trainer.parallel import Parallel, from_env
 from sonar_fx.trainer.rundir import run_files
 from sonar_fx.trainer.validate import check_flags, check_overrides, resolve
 
@@ -42,8 +42,8 @@ class RunPlan:
     checkpoint_path: Path | None = None
     start: int = 0
     """The step the run starts from: 0, or the checkpoint's."""
-    parallel: Parallel | None = None
-    """This process's place in a `--parallel` run (None: one process)."""
+    parallel: Parallel = field(default_factory=Parallel)
+    """This process's place in the run (one process by default)."""
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -73,8 +73,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     """Validate everything and load the data; raises before any model is built or file changed."""
     check_flags(cfg)
     parallel = from_env(cfg.parallel)
-    if parallel is not None:
-        check(parallel, cfg.method, cfg.execution)
+    parallel.check(cfg.method, cfg.execution)
     check_overrides(cfg.model, cfg.model_overrides)
     out = _writable_dir(cfg.out)
     local = cfg.model not in TINY_MODELS
@@ -95,9 +94,8 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     cfg, opt_cfg = resolve(cfg, local=local, n_train=len(train.examples), n_held_out=len(held_records))
     stream = D.BatchStream(train.examples, cfg.batch_size, seed=cfg.seed, pad_id=tokenizer.pad_id)
     plan = RunPlan(cfg, opt_cfg, tokenizer, train, held, D.data_hash(stream), out, None, parallel=parallel)
-    if resume_path is not None and parallel is not None:
-        resume_path = parallel.checkpoint_path(resume_path)  # sharded engines: this rank's own file
     if resume_path is not None:
+        resume_path = parallel.checkpoint_path(resume_path)  # sharded engines: this rank's own file
         plan.checkpoint = ckpt_io.load_checkpoint(resume_path)
         plan.checkpoint_path = resume_path
         plan.start = int(plan.checkpoint["step"])

@@ -18,14 +18,12 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx import data as D
-from sonar_fx.distributed.reductions import any_rank, collective_device
+from sonar_fx.environment import Environment
 from sonar_fx.memory import process_peak_rss_bytes
-from sonar_fx.methods import TrainingMethod, build_method
+from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.trainer import checkpoint as ckpt_io
-from sonar_fx.trainer import parallel as par
 from sonar_fx.trainer.config import ConfigError, TrainConfig, config_record
-from sonar_fx.trainer.environment import environment
 from sonar_fx.trainer.loop import Outcome, Trainer
 from sonar_fx.trainer.plan import RunPlan, plan_run
 from sonar_fx.trainer.rundir import (
@@ -65,21 +63,18 @@ def build(plan: RunPlan) -> tuple[nn.Module, TrainingMethod, list[torch.optim.lr
             "use the model's own tokenizer",
             flag="--tokenizer",
         )
-    sharded = plan.parallel is not None and plan.parallel.sharded
-    if plan.checkpoint is not None and not sharded:  # sharded: checked against the sharded model below
+    parallel = plan.parallel
+    if plan.checkpoint is not None and not parallel.sharded:  # sharded: checked on the sharded model below
         assert plan.checkpoint_path is not None
         ckpt_io.check_model_state(plan.checkpoint_path, model, plan.checkpoint["model"])
-    sonar_kwargs: dict[str, Any] = {"nonfinite": cfg.nonfinite} if cfg.method.startswith("sonar") else {}
-    if plan.parallel is not None:
-        method = par.build_parallel_method(plan.parallel, cfg.method, model, plan.opt_cfg, cfg.execution,
-                                           **sonar_kwargs)  # fmt: skip
-    else:
-        method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution, **sonar_kwargs)
+    sonar_kwargs: dict[str, Any] = {"nonfinite": cfg.nonfinite} if Method.named(cfg.method).sonar else {}
+    method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution, engine=parallel.engine,
+                          **sonar_kwargs)  # fmt: skip
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, shape) for opt in method.optimizers]
     if plan.checkpoint is not None:
-        state_model, state_optimizers = par.checkpoint_views(plan.parallel, model, method)
-        if sharded:
+        state_model, state_optimizers = parallel.checkpoint_views(model, method)
+        if parallel.sharded:
             assert plan.checkpoint_path is not None
             ckpt_io.check_model_state(plan.checkpoint_path, state_model, plan.checkpoint["model"])
         ckpt_io.restore(
@@ -99,8 +94,8 @@ def run_plan(plan: RunPlan, *, handle_signals: bool = False) -> RunResult:
     deterministic = torch.are_deterministic_algorithms_enabled()
     parallel = plan.parallel
     assert cfg.device is not None
-    created = par.init_process_group(parallel, cfg.device) if parallel is not None else False
-    writer = parallel is None or parallel.writer
+    created = parallel.join(cfg.device)
+    writer = parallel.writer
     try:
         with locked(plan.out) if writer else contextlib.nullcontext():
             result = _train_locked(plan, handle_signals, started, deterministic, writer)
@@ -114,8 +109,7 @@ def _train_locked(
     plan: RunPlan, handle_signals: bool, started: float, deterministic: bool, writer: bool
 ) -> RunResult:
     cfg = plan.cfg
-    if plan.parallel is not None:
-        _check_same_start(plan)
+    _check_same_start(plan)
     if writer:
         remove_stale_temps(plan.out)
     try:
@@ -144,13 +138,12 @@ def _train_locked(
 
 def _check_same_start(plan: RunPlan) -> None:
     """Every rank resumes from the same step (sharded engines read one checkpoint file per rank)."""
-    start = torch.tensor([plan.start], device=collective_device())
-    torch.distributed.broadcast(start, src=0)
-    if any_rank(int(start) != plan.start):
-        rank = plan.parallel.rank if plan.parallel else 0
+    parallel = plan.parallel
+    start = parallel.from_writer(plan.start)
+    if parallel.any_rank(start != plan.start):
         raise ckpt_io.CheckpointError(
-            f"--resume: the ranks' checkpoints disagree (rank {rank} is at step {plan.start}, rank 0 at "
-            f"step {int(start)}): a save was cut short on some rank; start a fresh --out"
+            f"--resume: the ranks' checkpoints disagree (rank {parallel.rank} is at step {plan.start}, "
+            f"rank 0 at step {start}): a save was cut short on some rank; start a fresh --out"
         )
 
 
@@ -187,8 +180,8 @@ def _summary(plan: RunPlan, trainer: Trainer, outcome: Outcome, wall_s: float) -
         },
         "sonar": optimizer.report() if isinstance(optimizer, SonarOptimizer) else None,
         "wall_s": wall_s,
-        "world_size": plan.parallel.world if plan.parallel else 1,
-        **environment(cfg.device),
+        "world_size": plan.parallel.world,
+        **Environment.now(cfg.device).summary(),
     }
 
 

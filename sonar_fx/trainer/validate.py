@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, OptimizerConfig
-from sonar_fx.methods import METHODS, check_clip
+from sonar_fx.engines import engine_named
+from sonar_fx.methods import METHODS, Method
 from sonar_fx.models import TINY_MODELS, build_model
 from sonar_fx.optim.optimizer import NONFINITE
 from sonar_fx.trainer.config import DTYPES, ConfigError, TrainConfig, flag_of
@@ -44,7 +45,7 @@ def check_flags(cfg: TrainConfig) -> None:
     checks = [
         (cfg.method in METHODS, "method", f"one of {', '.join(METHODS)}"),
         (cfg.nonfinite in NONFINITE, "nonfinite", f"one of {', '.join(NONFINITE)}"),
-        (cfg.nonfinite == "raise" or cfg.method.startswith("sonar"), "nonfinite", "'raise' for a baseline"),
+        (cfg.nonfinite == "raise" or _is_sonar(cfg.method), "nonfinite", "'raise' for a baseline"),
         (cfg.dtype in (None, *DTYPES), "dtype", f"one of {', '.join(DTYPES)}"),
         (cfg.steps is None or cfg.steps >= 1, "steps", ">= 1"),
         (cfg.batch_size >= 1, "batch_size", ">= 1"),
@@ -117,16 +118,10 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     }
     extra = by_optimizer[cfg.optimizer]
     _refuse_unused(cfg, extra)
-    if cfg.parallel is not None and (cfg.expert_clip is not None or cfg.state_bits != 32):
-        flag = "--expert-clip" if cfg.expert_clip is not None else "--state-bits"
-        raise ConfigError(
-            f"{flag} is not supported with --parallel {cfg.parallel}: distributed runs clip expert gradients "
-            "not at all (the default) and keep 32-bit states; drop the flag or train on one process",
-            flag=flag,
-        )
     try:
         opt_cfg = kind(**fields, **extra)
-        check_clip(cfg.method, opt_cfg)
+        Method.named(cfg.method).check_clip(opt_cfg)
+        engine_named(cfg.parallel).check_optimizer(opt_cfg)  # what the --parallel engine is verified with
     except ConfigFieldError as exc:
         raise field_error(exc) from exc
     if cfg.state_bits != 32:
@@ -280,3 +275,7 @@ def resolve(
         pad_to_max_len=cfg.pad_to_max_len if cfg.pad_to_max_len is not None else cfg.execution.compiled,
     )
     return resolved, opt_cfg
+
+
+def _is_sonar(method: str) -> bool:
+    return method in METHODS and Method.named(method).sonar

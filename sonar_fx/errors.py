@@ -1,4 +1,11 @@
-"""The errors Sonar raises when training would otherwise go on silently different from what was asked."""
+"""The errors Sonar raises when training would otherwise go on silently different from what was asked.
+
+One home for the library's usage errors, so every layer raises the same types and `sonar_fx` exports
+them. Errors that belong to a self-contained layer stay there: the runtime's `UnboundExpertError`
+(the runtime imports nothing of the project), discovery's `NoExpertsFoundError`, the data layer's
+`DataError`, and the command line's `ConfigError` / `CheckpointError` (they name a flag or a file).
+This module imports nothing; it never decides when to raise.
+"""
 
 from __future__ import annotations
 
@@ -25,3 +32,8 @@ class NonFiniteGradientError(SonarUsageError, FloatingPointError):
     def __init__(self, message: str, tensors: list[str]) -> None:
         super().__init__(message)
         self.tensors = tensors
+
+
+class ProcessGroupRequired(SonarUsageError):
+    """A distributed engine was set up without an initialised torch.distributed process group
+    (see `sonar_fx.optim.reduction.require_process_group`, the one place that checks)."""

@@ -1,0 +1,260 @@
+"""Where a training method runs: one process, or a torch.distributed engine (DDP, FSDP2, expert parallel).
+
+An `Engine` is the strategy `sonar_fx.methods.build_method` calls to put any method on it, Sonar or a
+baseline, so every method is built by one builder whatever runs it:
+- `sonar(model, cfg, ...)`: Sonar set up on the engine (one process: `sonar_fx.compile`; the others:
+  their `sonar_fx.distributed` entry point, which keeps experts out of DDP and reduces each expert
+  gradient before its update, shards them with FSDP2, or shards them E/world per rank);
+- `wrap(model, compiler)`: a baseline's model as the engine runs it (DDP, `fully_shard`, torch.compile);
+- `expert_grad_scale()`: what a baseline multiplies expert gradients by before it clips (expert
+  parallelism: 1/world, the data-parallel average that DDP applies to the dense gradients);
+- what it runs: `methods` (by name), `compiles`, `hooks_on_compiled`, and `check_optimizer` for the
+  optimizer settings it is verified with, so a combination it does not run is refused before
+  anything is built (`sonar_fx.methods.check_engine`).
+Options of an engine (a process group, a device mesh, a setting it learns to support) belong on its
+strategy object. `ENGINES` names them as `--parallel` does. The distributed engines import
+`sonar_fx.distributed` when they build, so a single-process run never loads it.
+Never: change a method's arithmetic; the clip rule and the optimizers are the builder's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar_fx import api
+from sonar_fx.config import ConfigFieldError, OptimizerConfig
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
+
+Run = Callable[..., Any]
+"""What a training step calls with a batch: the model, or its wrapper (DDP, torch.compile)."""
+Experts = Iterable[nn.Parameter | str] | None
+"""An explicit list of expert tensors (`sonar_fx.compile(experts=...)`), or None: discovery's."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How methods are put on one kind of execution engine (see the module docstring); the base is
+    what every engine shares, each engine overrides what it does differently."""
+
+    name: str = ""
+    """"single", or the `--parallel` name: "ddp", "fsdp2", "ep"."""
+    distributed: bool = False
+    """Runs on every process of a torch.distributed process group."""
+    sharded: bool = False
+    """Ranks hold different state (FSDP2 shards, EP experts): each saves its own checkpoint file."""
+    local_state: bool = False
+    """Parameters and states are DTensors, checkpointed as their local shards (FSDP2)."""
+    methods: tuple[str, ...] | None = None
+    """Names of the methods it builds (None: every one)."""
+    compiles: bool = True
+    """Runs compiled models (aot_eager, inductor), not only eager ones."""
+    hooks_on_compiled: bool = True
+    """Runs Sonar's hooks on a compiled model without the graph pass (the ablation)."""
+
+    def check_optimizer(self, cfg: OptimizerConfig) -> None:
+        """Refuse optimizer settings the engine is not verified with (`ConfigFieldError` naming the field)."""
+        return None
+
+    def sonar(
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        *,
+        compiler: str,
+        sonar_pass: bool,
+        granularity: Granularity,
+        experts: Experts,
+        **sonar_kwargs: Any,
+    ) -> tuple[Run, SonarOptimizer]:
+        """Sonar on this engine: what to call with a batch, and its optimizer."""
+        raise NotImplementedError
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        """A baseline's model as this engine runs it (the builder discovers experts after this)."""
+        raise NotImplementedError
+
+    def expert_grad_scale(self) -> float:
+        """The factor a baseline applies to its expert gradients before clipping (1.0: none)."""
+        return 1.0
+
+
+@dataclass(frozen=True)
+class SingleProcess(Engine):
+    """One process: Sonar by `sonar_fx.compile` / `prepare`; baselines as the model or torch.compile'd."""
+
+    name: str = "single"
+
+    def sonar(
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        *,
+        compiler: str,
+        sonar_pass: bool,
+        granularity: Granularity,
+        experts: Experts,
+        **sonar_kwargs: Any,
+    ) -> tuple[Run, SonarOptimizer]:
+        if compiler != "eager" and not sonar_pass:  # the ablation: hooks on a compiled model
+            optimizer = api.prepare(model, cfg, experts=experts, granularity=granularity, **sonar_kwargs)
+            return torch.compile(model, backend=compiler), optimizer
+        run = api.compile(
+            model, cfg, compiler=compiler, experts=experts, granularity=granularity,  # type: ignore[arg-type]
+            **sonar_kwargs,
+        )  # fmt: skip
+        return run, api.sonar_of(run)
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        return model if compiler == "eager" else torch.compile(model, backend=compiler)
+
+
+@dataclass(frozen=True)
+class _Distributed(Engine):
+    """What the torch.distributed engines share: the methods and settings they are verified with."""
+
+    distributed: bool = True
+    methods: tuple[str, ...] | None = ("sonar", "standard", "standard_no_expert_clip")
+    hooks_on_compiled: bool = False
+
+    def check_optimizer(self, cfg: OptimizerConfig) -> None:
+        gap = api.distributed_gap(cfg)
+        if gap is not None:
+            field, setting = gap
+            raise ConfigFieldError(
+                f"{setting} is not supported on the {self.name} engine: distributed runs clip expert "
+                "gradients not at all (the default) and keep 32-bit states; drop the setting or train on "
+                "one process",
+                field=field,
+            )
+
+    def sonar(
+        self,
+        model: nn.Module,
+        cfg: OptimizerConfig,
+        *,
+        compiler: str,
+        sonar_pass: bool,
+        granularity: Granularity,
+        experts: Experts,
+        **sonar_kwargs: Any,
+    ) -> tuple[Run, SonarOptimizer]:
+        if granularity != "batched":
+            raise ConfigFieldError(
+                f"granularity={granularity!r} is a single-process ablation; the {self.name} engine updates "
+                "each expert tensor whole",
+                field="method",
+            )
+        run = self._setup(model, cfg, compiler, experts, sonar_kwargs)
+        return run, api.sonar_of(run)
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        """Sonar through the engine's `sonar_fx.distributed` entry point (`options`: its keywords)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class DDPEngine(_Distributed):
+    """DistributedDataParallel for the dense parameters, experts beside it (`sonar_fx.distributed.ddp`)."""
+
+    name: str = "ddp"
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        import sonar_fx.distributed as sd
+
+        return sd.ddp(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(model)
+        return run if compiler == "eager" else torch.compile(run, backend=compiler)
+
+
+@dataclass(frozen=True)
+class FSDP2Engine(_Distributed):
+    """FSDP2 (`fully_shard`), each experts module its own group (`sonar_fx.distributed.fsdp2`); compiled
+    per block, so FSDP2's hooks run between the graphs."""
+
+    name: str = "fsdp2"
+    sharded: bool = True
+    local_state: bool = True
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        import sonar_fx.distributed as sd
+
+        return sd.fsdp2(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        import sonar_fx.distributed as sd
+        from sonar_fx.compiled import repeated_blocks
+
+        sd.fully_shard_experts(model)
+        if compiler != "eager":
+            layers = ExpertSet.discover(model).layers
+            for _, block in repeated_blocks(model, [layer.name for layer in layers]):
+                block.compile(backend=compiler)
+        return model
+
+
+@dataclass(frozen=True)
+class ExpertParallelEngine(_Distributed):
+    """Expert parallelism: each rank holds E/world experts, dense parameters through DDP
+    (`sonar_fx.distributed.expert_parallel`). Eager only; a global clip over every gradient would
+    mix each rank's own experts into a norm that differs per rank, so no "standard" method."""
+
+    name: str = "ep"
+    sharded: bool = True
+    methods: tuple[str, ...] | None = ("sonar", "standard_no_expert_clip")
+    compiles: bool = False
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        import sonar_fx.distributed as sd
+
+        return sd.expert_parallel(model, cfg, experts=experts, **options)  # eager only: `compiles`
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        from torch.nn.parallel import DistributedDataParallel
+
+        import sonar_fx.distributed as sd
+
+        if compiler != "eager":
+            raise ConfigFieldError(
+                f"the {self.name} engine runs eager models only: use compiler 'eager'", field="compiler"
+            )
+        sd.shard_experts_(model)
+        names = ExpertSet.discover(model).names
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        return DistributedDataParallel(model)
+
+    def expert_grad_scale(self) -> float:
+        return 1.0 / torch.distributed.get_world_size()
+
+
+SINGLE_PROCESS = SingleProcess()
+ENGINES: dict[str, Engine] = {e.name: e for e in (DDPEngine(), FSDP2Engine(), ExpertParallelEngine())}
+"""The torch.distributed engines by their `--parallel` name."""
+
+
+def engine_named(name: str | None) -> Engine:
+    """The engine `--parallel name` runs on (None: one process)."""
+    if name is None:
+        return SINGLE_PROCESS
+    if name not in ENGINES:
+        raise ConfigFieldError(
+            f"parallel={name!r} is invalid: expected one of {', '.join(ENGINES)}", field="parallel"
+        )
+    return ENGINES[name]
