@@ -215,9 +215,7 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     assert [g.met for g in goals] == [False, True]  # 1% misses 0.5%; the saving is within 5%
     doc = tmp_path / "plan.md"
     doc.write_text(f"before\n{plan_accuracy.START}\nold\n{plan_accuracy.END}\nafter\n")
-    inv = common.Invocation(
-        script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=Environment.now()
-    )
+    inv = common.Invocation(script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=Environment.now())
     plan_accuracy.write_doc(inv, [plan_accuracy.accuracy_table([row], cfg.methods)], goals, doc)
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
