@@ -151,6 +151,7 @@ def test_an_engine_refuses_what_it_does_not_run_before_building(engine, method, 
             "expert_clip='per_tensor'",
         ),
         (sonar_fx.AdamWConfig(lr=1e-3, state_bits=8), "state_bits=8"),
+        (sonar_fx.AdamWConfig(lr=1e-3, dense_state_bits=8), "dense_state_bits=8"),
     ],
 )
 def test_engines_refuse_what_they_do_not_support(cfg, match):
