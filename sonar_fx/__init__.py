@@ -40,3 +40,12 @@ __all__ = [
     "prepare",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # `sonar_fx.plan` / `sonar_fx.Plan` load the planner (and transformers) only when first used.
+    if name in ("plan", "Plan"):
+        from sonar_fx import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module 'sonar_fx' has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""Command line: `sonar-fx finetune ...` (one fine-tuning run), `sonar-fx demo` (the comparison) and
-`sonar-fx inspect --model ...` (which tensors discovery takes as experts, before any training).
+"""Command line: `sonar-fx finetune ...` (one fine-tuning run), `sonar-fx demo` (the comparison),
+`sonar-fx inspect --model ...` (which tensors discovery takes as experts, before any training) and
+`sonar-fx plan --model ...` (a training step's peak memory per method, predicted on fake tensors).
 
 For: turning flags into a `TrainConfig` / `DemoConfig`, bad input into one clear line on stderr
 before anything trains, and what happened into the exit status:
@@ -9,7 +10,8 @@ before anything trains, and what happened into the exit status:
   3    a training step raised: nothing from that step was written; `--resume` continues from the
        last checkpoint exactly;
   128+N  stopped by signal N (130 SIGINT, 143 SIGTERM) at a step boundary, after saving a checkpoint.
-Never: hold training logic; it calls `sonar_fx.trainer`, `sonar_fx.demo` and `sonar_fx.experts.report`.
+Never: hold training logic; it calls `sonar_fx.trainer`, `sonar_fx.demo`, `sonar_fx.experts.report` and
+`sonar_fx.planner.report`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sonar_fx.experts.report import discovery_report, format_report, report_json
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.optim.optimizer import NONFINITE
+from sonar_fx.planner.report import add_plan_flags, plan_command
 from sonar_fx.trainer import (
     DTYPES,
     CheckpointError,
@@ -55,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _finetune(args)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "plan":
+            return plan_command(args)
         return _demo(args)
     except USER_ERRORS as exc:
         _error(args, str(exc))
@@ -89,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_inspect(
         sub.add_parser("inspect", help="list the expert tensors Sonar finds in a model (no training)")
+    )
+    add_plan_flags(
+        sub.add_parser("plan", help="predict a training step's peak memory per method (fake tensors)")
     )
     return parser
 

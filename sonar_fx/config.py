@@ -99,14 +99,19 @@ class _AdamFamilyConfig(_OptimizerConfig):
     """Denominator term, > 0."""
     state_bits: StateBits = 32
     """Bits per element of the EXPERT tensors' moments: 32 (the param's dtype, torch's fused kernel)
-    or 8 / 4 (torchao's block-quantized states, `pip install torchao`); dense tensors keep full
-    states."""
+    or 8 / 4 (torchao's block-quantized states, `pip install torchao`)."""
+    dense_state_bits: StateBits = 32
+    """The same for the DENSE tensors' moments (updated at `step()`): 8 with `state_bits=8` keeps every
+    state in 8 bits (torchao's AdamW8bit for all parameters)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_betas(self.betas)
         self._check(self.eps > 0 and math.isfinite(self.eps), "eps", self.eps, "a finite number > 0")
         self._check(self.state_bits in STATE_BITS, "state_bits", self.state_bits, "32, 8 or 4")
+        self._check(
+            self.dense_state_bits in STATE_BITS, "dense_state_bits", self.dense_state_bits, "32, 8 or 4"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -275,14 +275,16 @@ def build_method(
     split = found.split(model)
     # The tensors a config with a matrix rule (Muon) updates as matrices: hidden ones and experts.
     matrices = [*matrix_params(cfg, model, found.layers), *split.expert_params]
-    if kind.per_param_hooks:
-        hooked = _hook_every_param(split.params, cfg, matrices)
+    if kind.per_param_hooks:  # expert states stored as Sonar stores them
+        hooked = _hook_every_param(split.params, cfg, matrices, {id(p) for p in split.expert_params})
         return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked)
-    low_bit = getattr(cfg, "state_bits", 32) != 32  # low-bit expert states: a second optimizer for experts
-    params = split.dense_params if low_bit else split.params
-    optimizer = end_of_step_optimizer(cfg, params, matrices=matrices)
+    # Expert states stored unlike dense ones (low-bit): the experts get their own optimizer.
+    separate = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
+    optimizer = end_of_step_optimizer(
+        cfg, split.dense_params if separate else split.params, matrices=matrices
+    )
     expert_optimizer = (
-        rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if low_bit else None
+        rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if separate else None
     )
     clip = GradClip.of(kind, cfg, split, engine)
     return TrainingMethod(kind, execution, run, optimizer, clip, expert_optimizer=expert_optimizer)
@@ -322,9 +324,18 @@ def _execution(execution: Execution | None, compiler: str | None, sonar_pass: bo
 
 
 def _hook_every_param(
-    params: list[nn.Parameter], cfg: OptimizerConfig, matrices: list[nn.Parameter]
+    params: list[nn.Parameter],
+    cfg: OptimizerConfig,
+    matrices: list[nn.Parameter],
+    expert_ids: frozenset[int] | set[int] = frozenset(),
 ) -> dict[int, torch.optim.Optimizer]:
-    optimizers = {id(p): end_of_step_optimizer(cfg, [p], matrices=matrices) for p in params}
+    expert_rule = rule_for(cfg, experts=True)  # expert states stored as Sonar's
+    optimizers: dict[int, torch.optim.Optimizer] = {
+        id(p): expert_rule.torch_optimizer([p], cfg)
+        if id(p) in expert_ids
+        else end_of_step_optimizer(cfg, [p], matrices=matrices)
+        for p in params
+    }
 
     def step_and_free(p: Tensor) -> None:
         optimizers[id(p)].step()

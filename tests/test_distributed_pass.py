@@ -152,6 +152,17 @@ def test_fsdp2_refuses_4bit_states_naming_why_and_what_runs():
         )
 
 
+def test_engines_refuse_low_bit_dense_states_naming_what_runs():
+    with pytest.raises(
+        sonar_fx.SonarUsageError, match=r"dense_state_bits=8 is not supported .*dense_state_bits=32"
+    ):
+        sonar_fx.prepare(
+            build_model("tiny-reference", seed=0),
+            sonar_fx.AdamWConfig(lr=1e-3, dense_state_bits=8),
+            distributed=ShardedGrads(),
+        )
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sonar_fx.experts.discovery import discover_experts
+import sonar_fx
+from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
@@ -51,6 +52,24 @@ def test_oib_all_equals_standard_without_clipping_bitwise():
     assert_same_weights(oib, standard)
     clipped, _ = trained("standard", "tiny-olmoe", torch.float32)
     assert weights_differ(oib, clipped)
+
+
+@pytest.mark.parametrize(("expert_bits", "dense_bits"), [(8, 32), (8, 8), (32, 32)])
+def test_oib_all_stores_each_tensors_states_as_sonar_does(expert_bits, dense_bits):
+    """Expert tensors get the expert rule's optimizer (torchao's 8-bit one with state_bits=8), dense
+    tensors the dense rule's: the baseline holds the states Sonar holds (no step: nothing compiles)."""
+    pytest.importorskip("torchao")
+    cfg = sonar_fx.AdamWConfig(lr=1e-3, state_bits=expert_bits, dense_state_bits=dense_bits)
+    model = build_model("tiny-olmoe", seed=0)
+    method = build_method("oib_all", model, cfg)
+    experts = {id(p) for p in ExpertSet.discover(model).split(model).expert_params}
+    kinds = {
+        (id(p) in experts, type(method.hook_optimizers[id(p)]).__name__)
+        for p in model.parameters()
+        if p.requires_grad
+    }
+    name = {8: "AdamW8bit", 32: "AdamW"}
+    assert kinds == {(True, name[expert_bits]), (False, name[dense_bits])}
 
 
 def test_after_backward_expert_grads_freed_and_hooks_fire_2L_times():

@@ -176,6 +176,24 @@ def test_lowbit_states_equal_torchao_optimizer_and_resume_bitwise(bits):
     assert weights_differ(sonar_model, full)  # control: low-bit states do change the arithmetic
 
 
+@pytest.mark.slow  # one inductor compile of torchao's update per distinct dense shape
+def test_dense_lowbit_states_equal_torchao_optimizer():
+    """dense_state_bits=8 with state_bits=8: every state in 8 bits (torchao's AdamW8bit over all
+    parameters is the twin); Sonar's dense update is torchao's, at step(), after the dense clip."""
+    cfg = sonar_fx.AdamWConfig(**BASE, state_bits=8, dense_state_bits=8)
+    twin, twin_method_ = _train("standard_no_expert_clip", cfg, dtype=torch.float32)
+    assert type(twin_method_.optimizer).__name__ == "AdamW8bit" and twin_method_.expert_optimizer is None
+    sonar_model, method = _train("sonar", cfg, dtype=torch.float32)
+    assert_same_weights(sonar_model, twin)
+    opt = method.optimizer
+    dense = {type(s["exp_avg"]).__name__ for p, s in opt.state.items() if p in set(opt.dense_group["params"])}
+    assert dense == {"OptimState8bit", "Tensor"}  # quantized where torchao quantizes (>= 4096 elements)
+    experts_only = _train(
+        "standard_no_expert_clip", sonar_fx.AdamWConfig(**BASE, state_bits=8), dtype=torch.float32
+    )
+    assert weights_differ(sonar_model, experts_only[0])  # control: 8-bit dense states change the arithmetic
+
+
 def test_lowbit_refusals_name_the_fix():
     cfg = _lowbit_cfg(8)
     with pytest.raises(sonar_fx.SonarUsageError, match="granularity='batched'"):

@@ -52,9 +52,7 @@ def build_model(
     if name in TINY_MODELS:
         import transformers
 
-        cls_name, extra = TINY_MODELS[name]
-        config = getattr(transformers, cls_name)(**{**_SHARED, **extra, **overrides})
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_config(tiny_config(name, **overrides), dtype=dtype)
     path = Path(name)
     if path.is_dir():
         import transformers
@@ -63,3 +61,12 @@ def build_model(
     raise ValueError(
         f"Unknown model {name!r}: use one of {', '.join(TINY_MODELS)} or a local checkpoint directory."
     )
+
+
+def tiny_config(name: str, **overrides: Any) -> Any:
+    """The transformers config of the tiny model `name` (a `TINY_MODELS` entry other than
+    tiny-reference), with `overrides` applied."""
+    import transformers
+
+    cls_name, extra = TINY_MODELS[name]
+    return getattr(transformers, cls_name)(**{**_SHARED, **extra, **overrides})

@@ -194,12 +194,14 @@ def matrix_rule_for(cfg: OptimizerConfig) -> UpdateRule | None:
 
 
 def rule_for(cfg: OptimizerConfig, *, experts: bool = False) -> UpdateRule:
-    """The rule of `cfg`'s dense tensors; `experts=True`: the rule of the expert tensors (low-bit states
-    when `cfg.state_bits` asks for them; Muon for MuonConfig, whose dense rule is AdamW)."""
+    """The rule of `cfg`'s dense tensors, or with `experts=True` of the expert tensors: low-bit states
+    when `cfg.dense_state_bits` / `cfg.state_bits` ask for them; Muon for MuonConfig's experts (its
+    dense rule is AdamW)."""
     if isinstance(cfg, MuonConfig):
         return MuonRule() if experts else AdamRule(decoupled=True)
-    if experts and getattr(cfg, "state_bits", 32) != 32:
-        return LowBitAdamRule(bits=cfg.state_bits, decoupled=isinstance(cfg, AdamWConfig))  # type: ignore[union-attr]
+    bits = getattr(cfg, "state_bits" if experts else "dense_state_bits", 32)
+    if bits != 32:
+        return LowBitAdamRule(bits=bits, decoupled=isinstance(cfg, AdamWConfig))
     if isinstance(cfg, AdamWConfig):
         return AdamRule(decoupled=True)
     if isinstance(cfg, AdamConfig):

@@ -1,0 +1,521 @@
+"""Question: how close is `sonar-fx plan` (a step on fake tensors) to a measured step, and to the paper?
+
+Two checks of `sonar_fx.plan`:
+- on this machine: for each configuration (family x batch x checkpointing x state bits x dtype, at
+  shapes that step on CPU in seconds), the plan's peak against the same step measured on real CPU
+  tensors (`sonar_fx.memory.measure_peak`, the profiler's allocator events: bytes above the step's
+  start). Both count the same thing: the plan's peak minus its step-start bytes is the transient the
+  profiler sees; the absolute peak adds the bytes alive at the start (weights, optimizer states, the
+  batch), counted on the real tensors for the measured side;
+- against the paper's GPU peaks (bf16, batch 2, plan at seq 256, OLMoE-1B-7B and
+  Granite-3.1-3B-A800M at full size, CUDA's 512-byte allocator blocks), and the paper's OLMoE batch sweep.
+The plan models eager execution with transformers' default kernels (torch grouped GEMM experts, SDPA);
+the paper ran SonicMoE kernels, whose activations are smaller. docs/plan.md holds the full tables
+(written by this script between its markers); results.json the short ones and every record.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+
+from benchmarks import common
+from benchmarks.common import Goal, Invocation, Table
+from sonar_fx.config import AdamWConfig
+from sonar_fx.memory import measure_peak
+from sonar_fx.methods import build_method
+from sonar_fx.models import build_model
+from sonar_fx.models.tiny import tiny_config
+from sonar_fx.planner import Plan, plan
+from sonar_fx.planner.fake import lowbit_scratch
+from sonar_fx.planner.run import enable_checkpointing
+from sonar_fx.workload import random_batches
+
+SCRIPT = "plan_accuracy"
+DOC = Path("docs/plan.md")
+START, END = "<!-- plan_accuracy:start -->", "<!-- plan_accuracy:end -->"
+GB, MIB = 1e9, 2**20
+OLMOE, GRANITE = "olmoe-1b-7b", "granite-3.1-3b-a800m"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """A CPU-sized model of one transformers MoE family (its real classes, fewer and narrower layers)."""
+
+    base: str
+    """`sonar_fx.models.TINY_MODELS` entry."""
+    overrides: dict[str, Any]
+
+
+FAMILIES = {
+    "olmoe": Family(base="tiny-olmoe", overrides=dict(
+        num_experts=64, num_experts_per_tok=8, hidden_size=384, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=6)),
+    "granitemoe": Family(base="tiny-granitemoe", overrides=dict(
+        num_local_experts=40, num_experts_per_tok=8, hidden_size=512, intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+    "qwen3moe": Family(base="tiny-qwen3moe", overrides=dict(
+        num_experts=32, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One configuration planned and measured on CPU."""
+
+    family: str
+    batch: int
+    dtype: str = "bf16"
+    checkpointing: bool = False
+    state_bits: int = 32
+    dense_state_bits: int = 32
+    seq: int = 64
+
+    @property
+    def label(self) -> str:
+        bits = f"{self.state_bits}/{self.dense_state_bits}"
+        return f"{self.family} b{self.batch} {self.dtype} {'ckpt' if self.checkpointing else '-'} {bits}"
+
+
+CASES = (
+    Case(family="olmoe", batch=2),
+    Case(family="olmoe", batch=8),
+    Case(family="olmoe", batch=2, checkpointing=True),
+    Case(family="olmoe", batch=2, state_bits=8),
+    Case(family="olmoe", batch=2, state_bits=8, dense_state_bits=8),
+    Case(family="olmoe", batch=4, dtype="fp32", checkpointing=True, state_bits=8),
+    Case(family="granitemoe", batch=2),
+    Case(family="granitemoe", batch=8, checkpointing=True),
+    Case(family="granitemoe", batch=4, state_bits=8),
+    Case(family="granitemoe", batch=2, dtype="fp32"),
+    Case(family="granitemoe", batch=4, dtype="fp32", checkpointing=True),
+    Case(family="qwen3moe", batch=2),
+    Case(family="qwen3moe", batch=8),
+    Case(family="qwen3moe", batch=2, checkpointing=True, state_bits=8),
+    Case(family="qwen3moe", batch=4, dtype="fp32"),
+    Case(family="qwen3moe", batch=2, dtype="fp32", checkpointing=True),
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaperRow:
+    """A peak the paper measured on GPU (GB of 1e9 bytes; bf16; batch 2; sequences up to 256 tokens)."""
+
+    model: str
+    """`sonar_fx.planner.PRESETS` name."""
+    label: str
+    method: str
+    paper_gb: float
+    checkpointing: bool = False
+    state_bits: int = 32
+    """8: every optimizer state in 8 bits (expert and dense)."""
+
+
+PAPER_ROWS = (
+    PaperRow(model=OLMOE, label="standard (global clip)", method="standard", paper_gb=55.55),
+    PaperRow(model=OLMOE, label="standard, dense clip", method="standard_no_expert_clip", paper_gb=55.55),
+    PaperRow(model=OLMOE, label="optimizer-in-backward, all parameters", method="oib_all", paper_gb=43.35),
+    PaperRow(model=OLMOE, label="sonar", method="sonar", paper_gb=43.57),
+    PaperRow(model=OLMOE, label="standard + gradient checkpointing", method="standard", paper_gb=55.48,
+             checkpointing=True),
+    PaperRow(model=OLMOE, label="sonar + gradient checkpointing", method="sonar", paper_gb=43.23,
+             checkpointing=True),
+    PaperRow(model=OLMOE, label="8-bit AdamW (all states)", method="standard", paper_gb=41.93, state_bits=8),
+    PaperRow(model=OLMOE, label="8-bit AdamW + sonar", method="sonar", paper_gb=29.94, state_bits=8),
+    PaperRow(model=GRANITE, label="standard (global clip)", method="standard", paper_gb=26.91),
+    PaperRow(model=GRANITE, label="sonar", method="sonar", paper_gb=21.14),
+)  # fmt: skip
+PAPER_SWEEP = {2: 12.0, 8: 9.4, 16: 5.2, 32: 0.0}
+"""The paper's OLMoE-1B-7B saving (standard - sonar peak, GB) by batch size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run of this script."""
+
+    cases: tuple[Case, ...] = CASES
+    methods: tuple[str, ...] = ("standard", "sonar")
+    paper_rows: tuple[PaperRow, ...] = PAPER_ROWS
+    sweep: dict[int, float] = field(default_factory=lambda: dict(PAPER_SWEEP))
+    paper_seq: int = 256
+    tolerance: float = 0.03
+    """Goal: each predicted peak within this fraction of the measured one."""
+    saving_tolerance: float = 0.05
+    """Goal: each predicted saving within this fraction of the measured saving."""
+    cost_goal_s: float = 120.0
+    """Goal: a full-size OLMoE-1B-7B plan of the four default methods takes less."""
+
+
+QUICK = Config(cases=CASES[:1] + CASES[6:7], paper_rows=PAPER_ROWS[8:], sweep={})
+
+
+def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
+    """Plan `case` on fake CPU tensors, then measure the same step on real ones; one record per method."""
+    family, dtype = FAMILIES[case.family], {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
+    bits = dict(state_bits=case.state_bits, dense_state_bits=case.dense_state_bits)
+    cfg = AdamWConfig(lr=1e-3, **bits)  # type: ignore[arg-type]
+    predicted = plan(
+        tiny_config(family.base, **family.overrides),
+        batch=case.batch,
+        seq=case.seq,
+        dtype=dtype,
+        opt_cfg=cfg,
+        methods=methods,
+        device="cpu",
+        gradient_checkpointing=case.checkpointing,
+    )
+    records = []
+    for name in methods:
+        model = build_model(family.base, dtype=dtype, seed=0, **family.overrides).train()
+        if case.checkpointing:
+            enable_checkpointing(model, case.label)
+        method = build_method(name, model, cfg)
+        first, second = random_batches(2, batch=case.batch, seq=case.seq)
+        method.train_step(first)  # creates the optimizer states, as the plan's first step does
+        start = _bytes_alive(model, method.optimizers, second)
+        _, peak = measure_peak(partial(method.train_step, second))
+        mine = predicted.method(name)
+        records.append(
+            {
+                "case": asdict(case),
+                "label": case.label,
+                "method": name,
+                "measured_transient": peak.peak_bytes,
+                "predicted_transient": mine.transient_bytes,
+                "measured_start": start,
+                "predicted_start": mine.step_start_bytes,
+                "predicted_peak": mine.peak_allocated_bytes,
+                "categories": mine.categories,
+                "predicted_saving_formula": predicted.expert_grad.predicted_saving,
+                "plan_seconds": predicted.seconds,
+            }
+        )
+    return records
+
+
+def _bytes_alive(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict) -> int:
+    """Storage bytes of the weights, buffers, any gradients, every optimizer state (torchao's quantized
+    ones through their inner tensors) and the batch, each storage once."""
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors += [*model.buffers(), *batch.values()]
+    storages = {id(st): st.nbytes() for t in tensors for st in get_untyped_storages(t)}
+    return sum(storages.values())
+
+
+def paper_plans(cfg: Config) -> dict[str, Plan]:
+    """The plans the paper rows and the sweep need, one `sonar_fx.plan` call per setting."""
+    groups: dict[tuple[str, bool, int], list[str]] = {}
+    for row in cfg.paper_rows:
+        groups.setdefault((row.model, row.checkpointing, row.state_bits), []).append(row.method)
+    plans = {}
+    for (model, ckpt, bits), methods in groups.items():
+        print(f"planning {model} (checkpointing {ckpt}, {bits}-bit states): {', '.join(methods)}", flush=True)
+        opt = AdamWConfig(state_bits=bits, dense_state_bits=bits)  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = dict(batch=2, seq=cfg.paper_seq, opt_cfg=opt, methods=methods)
+        plans[_key(model, ckpt, bits)] = plan(model, gradient_checkpointing=ckpt, **kwargs)
+        if bits != 32:  # what-if: a kernel that keeps the low-bit update's scratch in registers
+            with lowbit_scratch(counted=False):
+                plans[_key(model, ckpt, bits, scratch=False)] = plan(
+                    model, gradient_checkpointing=ckpt, **kwargs
+                )
+    for batch in (b for b in cfg.sweep if b != 2):
+        print(f"planning olmoe-1b-7b at batch {batch}", flush=True)
+        plans[f"sweep-{batch}"] = plan(OLMOE, batch=batch, seq=cfg.paper_seq, methods=["standard", "sonar"])
+    return plans
+
+
+def _key(model: str, checkpointing: bool, bits: int, *, scratch: bool = True) -> str:
+    return f"{model}|ckpt={checkpointing}|bits={bits}" + ("" if scratch else "|no low-bit scratch")
+
+
+def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per case: each method's error and the saving's, as fractions of the measured values."""
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in records):
+        by = {r["method"]: r for r in records if r["label"] == label}
+        row: dict[str, Any] = {"label": label}
+        for name, r in by.items():
+            row[f"{name}_measured"] = r["measured_transient"]
+            row[f"{name}_error"] = r["predicted_transient"] / r["measured_transient"] - 1
+            row[f"{name}_abs_error"] = (
+                (r["predicted_peak"]) / (r["measured_start"] + r["measured_transient"]) - 1
+            )
+        if "standard" in by and "sonar" in by:
+            measured = by["standard"]["measured_transient"] - by["sonar"]["measured_transient"]
+            predicted = by["standard"]["predicted_transient"] - by["sonar"]["predicted_transient"]
+            row.update(
+                measured_saving=measured,
+                predicted_saving=predicted,
+                saving_error=predicted / measured - 1 if measured else None,
+            )
+        rows.append(row)
+    return rows
+
+
+def accuracy_table(rows: list[dict[str, Any]], methods: Sequence[str]) -> Table:
+    headers = ["case (family, batch, dtype, ckpt, expert/dense bits)"]
+    for m in methods:
+        headers += [f"{m} measured MiB", f"{m} error", f"{m} error (absolute peak)"]
+    headers += ["saving measured MiB", "saving predicted MiB", "saving error"]
+    body = []
+    for r in rows:
+        cells = [r["label"]]
+        for m in methods:
+            cells += [f"{r[f'{m}_measured'] / MIB:.2f}", _pct(r[f"{m}_error"]), _pct(r[f"{m}_abs_error"])]
+        cells += [
+            f"{r['measured_saving'] / MIB:.2f}",
+            f"{r['predicted_saving'] / MIB:.2f}",
+            _pct(r["saving_error"]),
+        ]
+        body.append(cells)
+    note = (
+        "error: predicted / measured - 1 of the step's transient peak (bytes above its start, as the "
+        "profiler counts); absolute peak: plus the bytes alive at the start. seq 64, eager, AdamW; bits: "
+        "expert/dense moment bits (8: torchao's quantized states)."
+    )
+    return Table(title="Plan vs measured step on CPU", headers=headers, rows=body, note=note)
+
+
+def paper_rows(cfg: Config, plans: dict[str, Plan]) -> list[dict[str, Any]]:
+    rows = []
+    for row in cfg.paper_rows:
+        p = plans[_key(row.model, row.checkpointing, row.state_bits)]
+        mine = p.method(row.method)
+        what_if = plans.get(_key(row.model, row.checkpointing, row.state_bits, scratch=False))
+        rows.append(
+            {
+                **asdict(row),
+                "predicted_gb": mine.peak_allocated_bytes / GB,
+                "no_scratch_gb": what_if.method(row.method).peak_allocated_bytes / GB if what_if else None,
+                "categories": mine.categories,
+                "plan_seconds": p.seconds,
+            }
+        )
+    return rows
+
+
+def paper_table(rows: list[dict[str, Any]]) -> Table:
+    body = [
+        [
+            r["model"],
+            r["label"],
+            f"{r['predicted_gb']:.2f}",
+            f"{r['paper_gb']:.2f}",
+            _pct(r["predicted_gb"] / r["paper_gb"] - 1),
+            f"{r['categories']['activations'] / GB:.2f}",
+            "-" if r["no_scratch_gb"] is None else f"{r['no_scratch_gb']:.2f}",
+            "-" if r["no_scratch_gb"] is None else _pct(r["no_scratch_gb"] / r["paper_gb"] - 1),
+        ]
+        for r in rows
+    ]
+    note = (
+        "Peak allocated GB (1e9 bytes) of step 2, bf16 weights, gradients and AdamW states, batch 2, seq "
+        "256. Plan: eager, torch grouped GEMM experts and SDPA, CUDA's 512-byte blocks; paper: GPU, "
+        "SonicMoE kernels. 8-bit rows: every state in torchao's 8-bit format; the plan counts the scratch "
+        "of torchao's compiled update as inductor's CPU code allocates it, the what-if column none of it "
+        "(a GPU kernel that keeps it in registers; see docs/plan.md)."
+    )
+    return Table(
+        title="Plan vs the paper",
+        headers=[
+            "model",
+            "row",
+            "plan GB",
+            "paper GB",
+            "difference",
+            "activations at the peak GB",
+            "what-if: no scratch GB",
+            "difference",
+        ],
+        rows=body,
+        note=note,
+    )
+
+
+def sweep_rows(cfg: Config, plans: dict[str, Plan]) -> list[dict[str, Any]]:
+    rows = []
+    for batch, paper in cfg.sweep.items():
+        p = plans[_key(OLMOE, False, 32)] if batch == 2 else plans[f"sweep-{batch}"]
+        std, sonar = p.method("standard"), p.method("sonar")
+        rows.append(
+            {
+                "batch": batch,
+                "paper_saving_gb": paper,
+                "saving_gb": (std.peak_allocated_bytes - sonar.peak_allocated_bytes) / GB,
+                "standard_gb": std.peak_allocated_bytes / GB,
+                "sonar_gb": sonar.peak_allocated_bytes / GB,
+                "standard_activations_gb": std.categories["activations"] / GB,
+                "sonar_activations_gb": sonar.categories["activations"] / GB,
+                "standard_gradients_gb": std.categories["gradients"] / GB,
+            }
+        )
+    return rows
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> Table:
+    body = [
+        [
+            str(r["batch"]),
+            f"{r['standard_gb']:.2f}",
+            f"{r['sonar_gb']:.2f}",
+            f"{r['saving_gb']:.2f}",
+            f"{r['paper_saving_gb']:.1f}",
+            f"{r['standard_gradients_gb']:.2f}",
+            f"{r['sonar_activations_gb']:.2f}",
+        ]
+        for r in rows
+    ]
+    headers = [
+        "batch",
+        "standard GB",
+        "sonar GB",
+        "plan saving GB",
+        "paper saving GB",
+        "gradients alive at standard's peak GB",
+        "activations at sonar's peak GB",
+    ]
+    note = (
+        "OLMoE-1B-7B, seq 256, bf16. Where standard's peak holds every gradient and sonar's holds its "
+        "activations, the saving is the gradients less what the activations add; the torch path's "
+        "activations are larger than SonicMoE's, so its saving shrinks at a smaller batch."
+    )
+    return Table(title="OLMoE-1B-7B saving by batch size", headers=headers, rows=body, note=note)
+
+
+def goals(
+    cfg: Config, acc: list[dict[str, Any]], paper: list[dict[str, Any]], plans: dict[str, Plan]
+) -> list[Goal]:
+    errors = [abs(r[f"{m}_error"]) for r in acc for m in cfg.methods if f"{m}_error" in r]
+    savings = [abs(r["saving_error"]) for r in acc if r.get("saving_error") is not None]
+    tol, saving_tol = cfg.tolerance, cfg.saving_tolerance
+    out = [
+        _worst("plan vs measured peak (CPU)", f"every case within {tol:.0%}", errors, tol),
+        _worst("predicted saving vs measured (CPU)", f"within {saving_tol:.0%}", savings, saving_tol),
+    ]
+    if paper:
+        within = [r for r in paper if abs(r["predicted_gb"] / r["paper_gb"] - 1) <= cfg.tolerance]
+        out.append(
+            Goal(
+                name="plan vs paper, batch-2 rows",
+                target=f"within {cfg.tolerance:.0%}",
+                measured=f"{len(within)} of {len(paper)} rows",
+                met=len(within) == len(paper),
+            )
+        )
+    full = plans.get(_key(OLMOE, False, 32))
+    if full is not None and len(full.methods) >= 4:
+        out.append(
+            Goal(
+                name="OLMoE-1B-7B plan, 4 methods",
+                target=f"< {cfg.cost_goal_s:.0f} s",
+                measured=f"{full.seconds:.0f} s ({full.cpu_seconds:.0f} s of CPU)",
+                met=full.seconds < cfg.cost_goal_s,
+            )
+        )
+    return out
+
+
+def cost_table(plans: dict[str, Plan]) -> Table:
+    body = [[key.replace("|", ", "), str(p.batch), ", ".join(m.method for m in p.methods), f"{p.seconds:.0f}",
+             f"{p.cpu_seconds:.0f}"] for key, p in plans.items()]  # fmt: skip
+    headers = ["plan", "batch", "methods", "wall s", "CPU s"]
+    note = "Fake tensors do no arithmetic and hold no memory: the time is Python dispatch (and load)."
+    return Table(title="What each full-size plan cost", headers=headers, rows=body, note=note)
+
+
+def _worst(name: str, target: str, errors: list[float], tolerance: float) -> Goal:
+    if not errors:
+        return Goal(name=name, target=target, measured="no case", met=None)
+    worst = max(errors)
+    return Goal(
+        name=name, target=target, measured=f"worst {worst:.2%} over {len(errors)}", met=worst <= tolerance
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
+
+
+def plot(acc_records: list[dict[str, Any]], paper: list[dict[str, Any]], path: Path) -> bool:
+    """Predicted vs measured (CPU cases) and plan vs paper (bars); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_cpu, ax_paper) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if acc_records:
+        xs = [r["measured_transient"] / MIB for r in acc_records]
+        ys = [r["predicted_transient"] / MIB for r in acc_records]
+        ax_cpu.scatter(xs, ys, s=14)
+        hi = max(xs + ys) * 1.1
+        ax_cpu.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax_cpu.set(
+            xlabel="measured step peak above start, MiB (CPU)",
+            ylabel="planned, MiB",
+            title="plan vs measured, CPU",
+        )
+    if paper:
+        labels = [
+            f"{'Granite' if r['model'].startswith('granite') else 'OLMoE'}: {r['label']}" for r in paper
+        ]
+        at = range(len(paper))
+        ax_paper.barh([i - 0.2 for i in at], [r["predicted_gb"] for r in paper], height=0.4, label="plan")
+        ax_paper.barh([i + 0.2 for i in at], [r["paper_gb"] for r in paper], height=0.4, label="paper (GPU)")
+        ax_paper.set_yticks(list(at), labels, fontsize=7)
+        ax_paper.invert_yaxis()
+        ax_paper.set(xlabel="peak allocated GB", title="plan vs the paper (bf16, batch 2)")
+        ax_paper.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_doc(inv: Invocation[Config], tables: list[Table], goal_list: list[Goal], doc: Path = DOC) -> None:
+    """Replace the generated section of docs/plan.md (between its markers) with this run's tables."""
+    if not doc.exists():
+        return
+    parts = [f"`{inv.command}`: {inv.env.line()}"]
+    for t in [*tables, common.goals_table(goal_list)]:
+        parts += [f"**{t.title}**", t.render("github")] + ([t.note] if t.note else [])
+    text = doc.read_text()
+    section = "\n\n".join(parts)
+    new = re.sub(
+        f"{re.escape(START)}.*?{re.escape(END)}", lambda _: f"{START}\n{section}\n{END}", text, flags=re.S
+    )
+    doc.write_text(new)
+
+
+def main(argv: list[str] | None = None) -> None:
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK)
+    cfg = inv.cfg
+    records = []
+    for case in cfg.cases:
+        print(f"case {case.label}: planning and measuring {', '.join(cfg.methods)}", flush=True)
+        records += measure_case(case, cfg.methods)
+    plans = paper_plans(cfg) if cfg.paper_rows else {}
+    acc, paper, sweep = accuracy_rows(records), paper_rows(cfg, plans), sweep_rows(cfg, plans)
+    goal_list = goals(cfg, acc, paper, plans)
+    full = [accuracy_table(acc, cfg.methods), paper_table(paper)] + ([sweep_table(sweep)] if sweep else [])
+    full += [cost_table(plans)] if plans else []
+    images = ["plan_accuracy.png"] if plot(records, paper, inv.out / "plan_accuracy.png") else []
+    if not inv.args.quick:
+        write_doc(inv, full, goal_list)
+    inv.finish([paper_table(paper)], goals=goal_list, records=[*records, *paper, *sweep], images=images)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""`sonar_fx.plan`: a training step's peak memory per method, predicted on fake tensors.
+
+For: deciding, before renting a GPU, whether a model fits at a batch size with Sonar and without it,
+and the largest batch that fits a memory budget. Each method's real training step runs on a fake model
+of the real size (`run.MethodRun`) and torch's memory tracker accounts every allocation and free
+(`tracker.StepTracker`). What is planned is eager execution with transformers' default kernels (torch's
+grouped GEMM experts, SDPA attention): see docs/plan.md for what that means against other kernels.
+Never: allocate a model's memory; guess a number the step did not produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sonar_fx.config import AdamWConfig, OptimizerConfig
+from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
+from sonar_fx.memory import ExpertGradBytes
+from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.models import model_source
+from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory
+
+DEFAULT_METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DEVICES = {"cuda": 512, "cpu": 1}
+"""Planned device -> the allocator's block in bytes (CUDA's caching allocator rounds to 512)."""
+MAX_BATCH = 1 << 16
+"""The budget search's ceiling."""
+EXECUTION = (
+    "eager (Sonar: post-accumulate-grad hooks), transformers' default kernels (grouped_mm experts, SDPA)"
+)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodPlan:
+    """One method's planned step."""
+
+    method: str
+    peak_allocated_bytes: int
+    """Most bytes allocated at once in the step (as `torch.cuda.max_memory_allocated` counts them)."""
+    categories: dict[str, int]
+    """Bytes alive at the peak: weights, gradients, optimizer_states, activations, temporaries."""
+    step_start_bytes: int
+    """Bytes allocated when the step starts: weights, optimizer states and the batch."""
+    saving_bytes: int | None = None
+    """standard's peak minus this one's (None when standard was not planned)."""
+    max_batch: int | None = None
+    """With a budget: the largest batch whose step fits it (0: none fits)."""
+    batch_peaks: dict[int, int] = field(default_factory=dict)
+    """Every batch size a step was planned at -> its peak (the budget search's steps included)."""
+
+    @property
+    def transient_bytes(self) -> int:
+        """The peak above the step's start: what a profiler measuring from the step's start sees."""
+        return self.peak_allocated_bytes - self.step_start_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What `sonar_fx.plan` predicts for each method, and what it was asked."""
+
+    model: str
+    batch: int
+    seq: int
+    dtype: str
+    device: str
+    gradient_checkpointing: bool
+    optimizer: dict[str, Any]
+    """The optimizer config's fields (state bits, clipping)."""
+    expert_grad: ExpertGradBytes
+    """Expert-gradient bytes: all layers' and the largest layer's (Sonar should save the difference)."""
+    methods: list[MethodPlan]
+    budget_bytes: int | None = None
+    seconds: float = 0.0
+    """Wall time the plan took."""
+    cpu_seconds: float = 0.0
+    """CPU time this process spent on it (on a shared machine, the part of `seconds` that was its own)."""
+    execution: str = EXECUTION
+
+    def method(self, name: str) -> MethodPlan:
+        for m in self.methods:
+            if m.method == name:
+                return m
+        raise KeyError(f"{name!r} was not planned: {', '.join(m.method for m in self.methods)}")
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON-ready object; per method its name, peak and categories side by side."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("methods", "expert_grad")}
+        out["expert_grad_bytes"] = self.expert_grad.total
+        out["expert_grad_one_layer_bytes"] = self.expert_grad.one_layer
+        out["predicted_saving_bytes"] = self.expert_grad.predicted_saving
+        out["methods"] = [
+            {"method": m.method, "peak_allocated_bytes": m.peak_allocated_bytes, **m.categories,
+             "step_start_bytes": m.step_start_bytes, "saving_bytes": m.saving_bytes, "max_batch": m.max_batch,
+             "batch_peaks": {str(b): p for b, p in sorted(m.batch_peaks.items())}}
+            for m in self.methods
+        ]  # fmt: skip
+        return out
+
+
+def plan(
+    model_or_config: Any,
+    *,
+    batch: int = 2,
+    seq: int = 256,
+    dtype: str | torch.dtype = "bf16",
+    opt_cfg: OptimizerConfig | None = None,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    device: str = "cuda",
+    gradient_checkpointing: bool = False,
+    budget: int | str | None = None,
+) -> Plan:
+    """Predict the peak allocated memory of one training step (step 2: optimizer states alive) of
+    `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
+    "46GiB"), also the largest batch that fits. See the module docstring and docs/plan.md."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
+    _check_request(batch, seq, device, methods, cfg)
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    source = model_source(model_or_config)
+    planned, expert_grad = [], None
+    for name in methods:
+        try:
+            run = MethodRun(
+                source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq
+            )
+        except NoExpertsFoundError as err:
+            raise PlanError(f"{source.name}: {err}") from err
+        expert_grad = expert_grad or ExpertGradBytes.of(discover_experts(run.model))
+        planned.append(_plan_method(run, batch, seq, DEVICES[device], budget_bytes))
+    assert expert_grad is not None  # `_check_request` refused an empty method list
+    standard = next((m for m in planned if m.method == "standard"), None)
+    if standard is not None:
+        planned = [dataclasses.replace(m, saving_bytes=standard.peak_allocated_bytes - m.peak_allocated_bytes)
+                   for m in planned]  # fmt: skip
+    if budget_bytes is not None and all(m.max_batch == 0 for m in planned):
+        raise BudgetError(_no_fit(planned, budget_bytes, seq, str(budget)))
+    return Plan(
+        model=source.name, batch=batch, seq=seq, dtype=str(torch_dtype).removeprefix("torch."), device=device,
+        gradient_checkpointing=gradient_checkpointing, optimizer=_cfg_fields(cfg), expert_grad=expert_grad,
+        methods=planned, budget_bytes=budget_bytes, seconds=time.perf_counter() - started,
+        cpu_seconds=time.process_time() - cpu_started,
+    )  # fmt: skip
+
+
+class BudgetError(PlanError):
+    """No method fits the budget at any batch size."""
+
+
+def _plan_method(run: MethodRun, batch: int, seq: int, block: int, budget: int | None) -> MethodPlan:
+    peaks: dict[int, StepMemory] = {}
+
+    def step(b: int) -> int:
+        if b not in peaks:
+            peaks[b] = run.tracked_step(b, seq, block_bytes=block)
+        return peaks[b].peak
+
+    step(batch)
+    max_batch = (
+        largest_batch(step, budget, start=batch, base=peaks[batch].start) if budget is not None else None
+    )
+    asked = peaks[batch]
+    return MethodPlan(
+        method=run.name, peak_allocated_bytes=asked.peak, categories=asked.by_category,
+        step_start_bytes=asked.start, max_batch=max_batch, batch_peaks={b: m.peak for b, m in peaks.items()},
+    )  # fmt: skip
+
+
+def largest_batch(peak_of: Callable[[int], int], budget: int, *, start: int, base: int) -> int:
+    """The largest batch b with `peak_of(b) <= budget` (0 if even 1 does not fit), `peak_of` being
+    non-decreasing in b. Each probe is a planned step, so guesses come from the peaks seen so far
+    (a secant: a step's peak grows about linearly with the batch) and every answer is bracketed by
+    two probes: b fits, b + 1 does not. `base` is the bytes at the step's start (batch-independent)."""
+    fits, too_big = 0, None
+    seen = {0: base}
+    b = start
+    while True:
+        seen[b] = peak_of(b)
+        if seen[b] <= budget:
+            fits = max(fits, b)
+        else:
+            too_big = b if too_big is None else min(too_big, b)
+        if too_big is not None and too_big - fits <= 1:
+            return fits
+        if too_big is None and fits >= MAX_BATCH:
+            return fits
+        b = _next_guess(seen, budget, fits, too_big)
+
+
+def _next_guess(seen: dict[int, int], budget: int, fits: int, too_big: int | None) -> int:
+    lo, hi = fits, too_big if too_big is not None else MAX_BATCH + 1
+    below = max(b for b in seen if b <= lo)
+    above = min((b for b in seen if b > lo), default=None)
+    a, c = (below, above) if above is not None else (max((b for b in seen if b < below), default=0), below)
+    slope = (seen[c] - seen[a]) / (c - a) if c != a and seen[c] > seen[a] else None
+    guess = lo + 1 if slope is None else int(lo + (budget - seen[lo]) / slope)
+    if too_big is None:
+        guess = min(guess, max(2 * lo, lo + 1) * 4)  # an extrapolation far out is checked in steps
+    guess = min(max(guess, lo + 1), hi - 1)
+    if guess in seen:  # the secant repeats itself: halve the bracket instead
+        guess = (lo + hi) // 2
+    return guess
+
+
+def _no_fit(planned: list[MethodPlan], budget: int, seq: int, asked: str) -> str:
+    best = min(planned, key=lambda m: m.batch_peaks.get(1, m.peak_allocated_bytes))
+    need = best.batch_peaks.get(1, best.peak_allocated_bytes)
+    return (
+        f"--budget {asked} ({_size(budget)}) fits no batch for any method at seq {seq}: the closest is "
+        f"{best.method}, which needs {_size(need)} at batch 1 ({_size(best.categories['weights'])} of "
+        f"weights, {_size(best.categories['optimizer_states'])} of optimizer states). Raise the budget, "
+        "shorten --seq, or store states in 8 bits (--state-bits 8 --dense-state-bits 8)."
+    )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise PlanError(
+        f"unsupported dtype {dtype!r}: plan bf16 or fp32 (Sonar trains weights, gradients and states in one "
+        "of them; fp16 would need a GradScaler, which an update applied in backward cannot honour)."
+    )
+
+
+def parse_bytes(text: int | str) -> int:
+    """Bytes from an int or text like "46GiB", "48GB", "5e10" (GB = 1e9 bytes, GiB = 2**30)."""
+    if isinstance(text, int) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?\s*", str(text).lower())
+    if match is None or float(match.group(1)) <= 0:
+        raise PlanError(f"budget {text!r}: expected a size such as 46GiB, 48GB or 5e10 (bytes).")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def _check_request(batch: int, seq: int, device: str, methods: Sequence[str], cfg: OptimizerConfig) -> None:
+    if batch < 1 or seq < 1:
+        raise PlanError(f"batch={batch}, seq={seq}: both must be at least 1.")
+    if device not in DEVICES:
+        raise PlanError(f"device {device!r}: plan for 'cuda' (512-byte allocator blocks) or 'cpu'.")
+    unknown = [m for m in methods if m not in PLAN_METHODS]
+    if unknown or not methods:
+        raise PlanError(f"methods {list(methods)!r}: choose from {', '.join(PLAN_METHODS)}.")
+    for name in ("state_bits", "dense_state_bits"):
+        if getattr(cfg, name, 32) == 4:
+            raise PlanError(
+                f"{name}=4: the plan models 8-bit states (the memory torchao's compiled 4-bit update "
+                "allocates is not modelled); plan 8 or 32."
+            )
+
+
+def _cfg_fields(cfg: OptimizerConfig) -> dict[str, Any]:
+    return {"optimizer": cfg.name, **dataclasses.asdict(cfg)}

@@ -1,0 +1,159 @@
+"""`sonar-fx plan`: the planner's command line, its table, JSON and bar chart.
+
+For: turning flags into one `sonar_fx.plan` call and a `Plan` into text a user reads (one row per
+method: peak, its split by category, the saving against standard and against Sonar's prediction,
+and with --budget the largest batch that fits), one JSON object (--json) or a PNG (--plot).
+Bad input exits 2 with one line naming the flag and the fix. Never: compute a number itself; every
+figure shown is the plan's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from sonar_fx.config import STATE_BITS, AdamWConfig, ConfigFieldError
+from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.models import PRESETS
+from sonar_fx.planner.planning import DEFAULT_METHODS, DEVICES, Plan, plan
+from sonar_fx.planner.run import PLAN_METHODS
+from sonar_fx.planner.tracker import CATEGORIES
+
+GB = 1e9
+"""Tables show GB of 1e9 bytes, the unit of the paper's figures."""
+
+
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of `sonar-fx plan`."""
+    add = p.add_argument
+    add(
+        "--model",
+        default="olmoe-1b-7b",
+        help=f"a preset ({', '.join(PRESETS)}), a tiny model name, or a local directory with a config.json",
+    )
+    add("--batch", type=int, default=2, help="sequences per step")
+    add("--seq", type=int, default=256, help="tokens per sequence")
+    add("--dtype", default="bf16", help="bf16 or fp32: weights, gradients and optimizer states")
+    add(
+        "--methods",
+        nargs="+",
+        default=list(DEFAULT_METHODS),
+        choices=tuple(PLAN_METHODS),
+        metavar="METHOD",
+        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}; also: sonar_8bit, sonar_global_clip)",
+    )
+    add(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="transformers activation_checkpointing_enable() (gradient checkpointing)",
+    )
+    add("--state-bits", type=int, choices=STATE_BITS, default=32, help="bits of the expert tensors' moments")
+    add(
+        "--dense-state-bits",
+        type=int,
+        choices=STATE_BITS,
+        default=32,
+        help="bits of the dense tensors' moments",
+    )
+    add("--max-grad-norm", type=float, default=1.0, help="clip threshold (standard clips all gradients)")
+    add(
+        "--budget",
+        default=None,
+        help="memory budget, e.g. 46GiB or 48GB: the largest batch that fits, per method",
+    )
+    add(
+        "--device",
+        choices=tuple(DEVICES),
+        default="cuda",
+        help="the allocator counted (cuda: 512-byte blocks)",
+    )
+    add("--json", action="store_true", help="print one JSON object instead of the table")
+    add("--plot", type=Path, default=None, metavar="PNG", help="also write a bar chart of the peaks here")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """`sonar-fx plan`: 0 with the plan printed; 2 for bad input (one line on stderr)."""
+    try:
+        cfg = AdamWConfig(state_bits=args.state_bits, dense_state_bits=args.dense_state_bits,
+                          max_grad_norm=args.max_grad_norm)  # fmt: skip
+        result = plan(
+            args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, opt_cfg=cfg, methods=args.methods,
+            device=args.device, gradient_checkpointing=args.gradient_checkpointing, budget=args.budget,
+        )  # fmt: skip
+    except (PlanError, ConfigFieldError) as err:
+        print(f"sonar-fx plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_json(), indent=1) if args.json else format_plan(result))
+    if args.plot is not None and not plot_plan(result, args.plot):
+        print("sonar-fx plan: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+    return 0
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a table with a header and notes (GB of 1e9 bytes; MB for models under 1 GB)."""
+    unit, scale = ("GB", 1e9) if max(m.peak_allocated_bytes for m in p.methods) >= 1e9 else ("MB", 1e6)
+    predicted = p.expert_grad.predicted_saving
+    headers = ["method", f"peak {unit}", *(c.replace("_", " ") for c in CATEGORIES), "saving vs standard",
+               "saving / predicted"] + (["max batch"] if p.budget_bytes is not None else [])  # fmt: skip
+    rows = []
+    for m in p.methods:
+        saving = m.saving_bytes if m.method != "standard" else None
+        row = [
+            m.method,
+            f"{m.peak_allocated_bytes / scale:.2f}",
+            *(f"{m.categories[c] / scale:.2f}" for c in CATEGORIES),
+        ]
+        row += (
+            [f"{saving / scale:.2f} {unit}", f"{saving / predicted:.0%}"]
+            if saving is not None
+            else ["-", "-"]
+        )
+        if p.budget_bytes is not None:
+            row.append(
+                str(m.max_batch) if m.max_batch else f"none (batch 1: {m.batch_peaks[1] / scale:.1f} {unit})"
+            )
+        rows.append(row)
+    bits = p.optimizer.get("state_bits", 32), p.optimizer.get("dense_state_bits", 32)
+    budget = f"; budget {p.budget_bytes / scale:.2f} {unit}" if p.budget_bytes is not None else ""
+    return "\n".join([
+        f"{p.model}: batch {p.batch} x seq {p.seq}, {p.dtype}, {p.optimizer['optimizer']} (expert states "
+        f"{bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "
+        f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}{budget}",
+        tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True),
+        "Peak allocated bytes of training step 2 (optimizer states alive), split by what is alive at the "
+        f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "
+        f"{p.expert_grad.total / scale:.2f} {unit} minus one layer "
+        f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}.",
+        f"Planned: {p.execution}, on fake tensors in {p.seconds:.0f} s ({p.cpu_seconds:.0f} s of CPU).",
+    ])  # fmt: skip
+
+
+def plot_plan(p: Plan, path: Path) -> bool:
+    """Stacked bars of each method's peak by category (and the budget line); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(1.6 * len(p.methods) + 3, 4.5))
+    names = [m.method for m in p.methods]
+    bottom = [0.0] * len(names)
+    for c in CATEGORIES:
+        heights = [m.categories[c] / GB for m in p.methods]
+        ax.bar(names, heights, bottom=bottom, label=c.replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    if p.budget_bytes is not None:
+        ax.axhline(p.budget_bytes / GB, color="black", ls="--", lw=1, label="budget")
+    ax.set(ylabel="peak allocated, GB", title=f"{p.model}: batch {p.batch} x seq {p.seq}, {p.dtype}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

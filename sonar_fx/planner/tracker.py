@@ -1,0 +1,103 @@
+"""Accounting one training step's memory: torch's `MemTracker`, fitted to a planned step.
+
+torch's `torch.distributed._tools.mem_tracker.MemTracker` (a dispatch mode) sees every tensor the step
+creates, learns of every free through a weak reference to its storage, and files each byte under
+parameters, buffers, gradients, activations, temporaries or optimizer states. `StepTracker` keeps that
+accounting and changes four things for a step planned on fake CPU tensors:
+- the device's allocator: CUDA's caching allocator hands out blocks of 512 bytes, so each storage is
+  counted rounded up to `block_bytes` (1 for a CPU plan);
+- the peak: only the whole step's peak snapshot is kept (torch's per-module peaks cost a scan of
+  every module per op: a real-size model's step took 4x longer and the plan uses none of them);
+- categories: optimizer states exist before the step (they are tracked at its start), so what
+  `optimizer.step()` newly allocates is the step's scratch (temporaries, not states), as is what is
+  allocated outside forward and backward (gradient clipping's norms);
+- a second forward of the model in one step (expert_clip="global" runs forward and backward twice) is
+  part of the same step, not a new iteration (torch's tracker refuses it).
+MemTracker is private to torch; these overrides follow torch 2.13's and are tested by the planner's
+tests. Never: change what the step allocates or frees.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+
+CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
+"""How a plan splits bytes, in table order."""
+_CATEGORY_OF: dict[Any, str] = {
+    _MemRefType.PARAM: "weights",
+    _MemRefType.BUFFER: "weights",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer_states",
+    _MemRefType.ACT: "activations",
+    _MemRefType.OTH: "activations",  # the batch (tracked as an external tensor): forward's input
+    _MemRefType.TEMP: "temporaries",
+}
+
+
+class StepTracker(MemTracker):
+    """`MemTracker` for one planned step (see the module docstring)."""
+
+    def __init__(self, *, block_bytes: int = 1) -> None:
+        super().__init__()
+        self.block_bytes = block_bytes
+
+    def track_step_start(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *tensors: Any
+    ) -> None:
+        """Track what is alive when the step starts: weights, optimizer states, the batch."""
+        self.track_external(model, *optimizers, *tensors)
+
+    def bytes_now(self) -> int:
+        return sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+
+    def peak_bytes(self) -> int:
+        return sum(self._peak_mem.values())
+
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes alive at the step's peak, by category (`CATEGORIES`)."""
+        split = dict.fromkeys(CATEGORIES, 0)
+        for snap in self._peak_mem_snap.values():
+            for kind, nbytes in snap.items():
+                if kind != _TOTAL_KEY:
+                    split[_CATEGORY_OF[kind]] += nbytes
+        return split
+
+    # ---------------------------------------------------------------- overrides of MemTracker's hooks
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
+
+    def _update_snap(
+        self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None
+    ) -> None:
+        if self.block_bytes > 1 and u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+            # Counted as the allocator hands it out; a resize re-rounds the new size.
+            winfo.mem_consumed = (
+                math.ceil(winfo.size * winfo.element_size / self.block_bytes) * self.block_bytes
+            )
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        if reftype == _MemRefType.OPT:
+            reftype = _MemRefType.TEMP  # states predate the step: a new tensor in step() is scratch
+        elif reftype == _MemRefType.ACT and not self._mod_tracker.is_bw and self._outside_modules():
+            reftype = _MemRefType.TEMP
+        super()._track(reftype, t)
+
+    def _outside_modules(self) -> bool:
+        return set(self._mod_tracker.parents) <= {"Global"}
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        root = set(self._mod_tracker.parents) - {name} == {"Global"}
+        if module in self.memory_tracking and root and not self._mod_tracker.is_bw:
+            self.memory_tracking.clear()  # the step's second forward; per-module stats are not used
+        super()._pre_fw_hook(module, inputs)

@@ -1,0 +1,227 @@
+"""`sonar_fx.plan`: a step planned on fake tensors against the same step measured on real CPU tensors,
+the presets' shapes against the paper's figures, the budget search, the JSON and the bad-input errors.
+
+The tolerance is the one the planner is held to (3% of the measured peak, 5% of the measured saving);
+in practice the plan counts the very same allocations, so it lands within a few hundred bytes.
+"""
+
+import json
+
+import pytest
+import torch
+
+import sonar_fx
+from sonar_fx.cli import main
+from sonar_fx.config import AdamWConfig
+from sonar_fx.environment import Environment
+from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.memory import ExpertGradBytes, measure_peak, state_bytes
+from sonar_fx.methods import build_method
+from sonar_fx.models import build_model
+from sonar_fx.models.tiny import tiny_config
+from sonar_fx.planner import PRESETS, BudgetError, PlanError
+from sonar_fx.planner.fake import PlanFakeMode, lowbit_update_buffers
+from sonar_fx.planner.models import model_source
+from sonar_fx.planner.planning import largest_batch
+from sonar_fx.planner.tracker import CATEGORIES, StepTracker
+from sonar_fx.workload import random_batches
+
+# Experts hold most of the bytes and a short batch keeps activations small: the regime of the paper.
+SHAPE = dict(num_experts=16, num_experts_per_tok=2, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
+BATCH, SEQ = 2, 8
+CFG = AdamWConfig(lr=1e-3)
+
+
+def _measured(method: str) -> dict:
+    """One real step 2 on CPU: the profiler's peak above the step's start, and the bytes at the start."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, **SHAPE).train()
+    m = build_method(method, model, CFG)
+    first, second = random_batches(2, batch=BATCH, seq=SEQ)
+    m.train_step(first)
+    start = state_bytes(model, m.optimizers) + sum(t.nbytes for t in (*model.buffers(), *second.values()))
+    _, peak = measure_peak(lambda: m.train_step(second))
+    return {
+        "transient": peak.peak_bytes,
+        "start": start,
+        "experts": ExpertGradBytes.of(discover_experts(model)),
+    }
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {name: _measured(name) for name in ("standard", "sonar")}
+
+
+@pytest.fixture(scope="module")
+def planned(measured):
+    """The plan of the same steps, with a budget of what standard measured at batch 2 (plus 1%)."""
+    standard = measured["standard"]
+    budget = int(1.01 * (standard["start"] + standard["transient"]))
+    return sonar_fx.plan(
+        tiny_config("tiny-olmoe", **SHAPE), batch=BATCH, seq=SEQ, opt_cfg=CFG, methods=["standard", "sonar"],
+        device="cpu", budget=budget,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
+def test_plan_matches_the_measured_step_and_the_saving(planned, measured):
+    for name, real in measured.items():
+        mine = planned.method(name)
+        assert abs(mine.transient_bytes / real["transient"] - 1) <= 0.03, (name, mine, real)
+        assert mine.step_start_bytes == real["start"]  # weights, buffers, states, the batch: counted alike
+    saving = measured["standard"]["transient"] - measured["sonar"]["transient"]
+    predicted_saving = planned.method("sonar").saving_bytes
+    assert saving > 0 and abs(predicted_saving / saving - 1) <= 0.05
+    # At least every expert gradient but one layer's; at most every gradient (standard's peak also
+    # holds dense gradients that Sonar's, earlier in backward, does not yet).
+    expected = measured["sonar"]["experts"].predicted_saving
+    assert planned.expert_grad.predicted_saving == expected
+    assert 0.9 * expected <= predicted_saving <= planned.method("standard").categories["weights"]
+    # Control: the check tells the methods apart (Sonar's plan does not pass for standard's step).
+    assert abs(planned.method("sonar").transient_bytes / measured["standard"]["transient"] - 1) > 0.03
+
+
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
+def test_plan_splits_the_peak_by_category(planned):
+    standard, sonar = planned.method("standard"), planned.method("sonar")
+    for m in (standard, sonar):
+        assert set(m.categories) == set(CATEGORIES) and sum(m.categories.values()) == m.peak_allocated_bytes
+        weights = m.categories["weights"]  # two AdamW moments per weight (and a 4-byte step per tensor)
+        assert weights > 0 and abs(m.categories["optimizer_states"] / (2 * weights) - 1) < 0.01
+    # Standard's peak holds every gradient; Sonar's at most the dense ones and one layer of experts.
+    assert standard.categories["gradients"] >= planned.expert_grad.total
+    assert sonar.categories["gradients"] < planned.expert_grad.one_layer + standard.categories["weights"] / 3
+
+
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
+def test_budget_gives_the_largest_batch_that_fits(planned):
+    for m in planned.methods:
+        peaks = m.batch_peaks
+        assert peaks[m.max_batch] <= planned.budget_bytes < peaks[m.max_batch + 1]
+    standard, sonar = planned.method("standard"), planned.method("sonar")
+    assert standard.max_batch >= BATCH  # the budget is what standard measured at this batch
+    assert sonar.max_batch > standard.max_batch  # Sonar holds no expert gradients at its peak
+
+
+@pytest.mark.parametrize("curve", ["linear", "quadratic", "step"])
+def test_budget_search_is_exact_on_monotone_peaks(curve):
+    shapes = {
+        "linear": lambda b: 10_000 + 37 * b,
+        "quadratic": lambda b: 10_000 + 5 * b + b * b,
+        "step": lambda b: 10_000 + 400 * (b // 7),
+    }
+    peak_of = shapes[curve]
+    for budget in (9_999, 10_000, 10_500, 12_345, 60_000):
+        expected = max((b for b in range(0, 5000) if peak_of(b) <= budget), default=0)
+        assert largest_batch(peak_of, budget, start=2, base=10_000) == expected, (curve, budget)
+
+
+@pytest.mark.slow  # the module's real and planned steps (with a budget search): ~30 s on 2 cores
+def test_json_holds_each_method_with_its_categories(planned, tmp_path, capsys):
+    data = planned.to_json()
+    assert [m["method"] for m in data["methods"]] == ["standard", "sonar"]
+    for m in data["methods"]:
+        assert m["peak_allocated_bytes"] == sum(m[c] for c in CATEGORIES)
+    png = tmp_path / "plan.png"
+    argv = ["plan", "--model", "tiny-olmoe", "--seq", "8", "--device", "cpu", "--methods", "sonar", "--json"]
+    assert main([*argv, "--plot", str(png)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == "tiny-olmoe" and printed["methods"][0]["method"] == "sonar"
+    assert png.stat().st_size > 0
+
+
+def test_presets_match_the_papers_expert_gradient_bytes():
+    for name, preset in PRESETS.items():
+        model = model_source(name).build(torch.bfloat16)
+        assert next(model.parameters()).is_meta
+        grads = ExpertGradBytes.of(discover_experts(model))
+        assert round(grads.total / 1e9, 1) == preset.expert_grad_gb, name
+    olmoe = model_source("olmoe-1b-7b").build(torch.bfloat16)
+    assert round(sum(p.numel() for p in olmoe.parameters()) / 1e9, 2) == 6.92  # the paper's 6.92B
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        (dict(model_or_config="olmoe-7b"), PlanError, "olmoe-1b-7b, granite-3.1-3b-a800m"),
+        (dict(model_or_config="tiny-olmoe", dtype="fp16"), PlanError, "plan bf16 or fp32"),
+        (dict(model_or_config="tiny-olmoe", budget="lots"), PlanError, "46GiB"),
+        (dict(model_or_config="tiny-olmoe", methods=["fast"]), PlanError, "standard_no_expert_clip"),
+        (dict(model_or_config="tiny-olmoe", opt_cfg=AdamWConfig(state_bits=4)), PlanError, "plan 8 or 32"),
+    ],
+)
+def test_bad_input_names_the_fix(kwargs, error, says):
+    with pytest.raises(error, match=says):
+        sonar_fx.plan(**kwargs)
+
+
+def test_a_config_without_experts_is_refused():
+    import transformers
+
+    dense = transformers.LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1)
+    with pytest.raises(PlanError, match="declares no routed experts"):
+        sonar_fx.plan(dense)
+
+
+@pytest.mark.slow  # two fake models and their steps: 8 s on a quiet machine, 30 s under load
+def test_a_budget_that_fits_nothing_names_the_closest_method():
+    with pytest.raises(BudgetError, match="the closest is sonar"):
+        sonar_fx.plan("tiny-olmoe", seq=8, methods=["standard", "sonar"], device="cpu", budget="100KB")
+
+
+def test_the_cli_reports_bad_input_in_one_line(capsys):
+    assert main(["plan", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: unknown model 'no-such-model'" in err and "olmoe-1b-7b" in err
+
+
+@pytest.mark.slow  # one inductor compile of torchao's update per shape
+@pytest.mark.parametrize("shape", [(16, 128, 512), (4, 16, 256)])  # the second: a parameter-sized copy too
+def test_lowbit_update_model_allocates_what_the_compiled_update_does(shape):
+    """The plan's stand-in for torchao's compiled 8-bit update holds the bytes the real compiled update
+    allocates (on CPU: a float32 buffer and the block scales per quantized moment, and a copy of the
+    parameter when its last dimension is the block)."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    p = torch.nn.Parameter(torch.randn(*shape, dtype=torch.bfloat16))
+    opt = torchao_optim.AdamW8bit([p], lr=1e-3)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        _, peak = measure_peak(opt.step)  # the second is step 2: states alive
+    mode, tracker = PlanFakeMode(), StepTracker()
+    with mode:
+        fake = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+        state = {"exp_avg": torchao_optim.AdamW8bit._subclass_zeros(fake, True, 256),
+                 "exp_avg_sq": torchao_optim.AdamW8bit._subclass_zeros(fake, False, 256)}  # fmt: skip
+        grad, step = torch.empty_like(fake), torch.tensor(2.0)
+        tracker.track_step_start(torch.nn.Module(), [], fake, grad, step, *state.values())
+        start = tracker.bytes_now()
+        with tracker:
+            lowbit_update_buffers(fake, grad, step, state["exp_avg"], state["exp_avg_sq"])
+    assert tracker.peak_bytes() - start == peak.peak_bytes
+
+
+def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
+    """benchmarks.plan_accuracy's bookkeeping on hand-made records: errors, goals, the doc section."""
+    from benchmarks import common, plan_accuracy
+
+    records = [
+        dict(label="c", method="standard", measured_transient=1000, predicted_transient=1010,
+             measured_start=9000, predicted_peak=10010),
+        dict(label="c", method="sonar", measured_transient=400, predicted_transient=400,
+             measured_start=9000, predicted_peak=9400),
+    ]  # fmt: skip
+    (row,) = plan_accuracy.accuracy_rows(records)
+    assert row["standard_error"] == pytest.approx(0.01) and row["sonar_error"] == 0
+    assert row["saving_error"] == pytest.approx(10 / 600) and row["standard_abs_error"] == pytest.approx(
+        0.001
+    )
+    cfg = plan_accuracy.Config(tolerance=0.005)
+    goals = plan_accuracy.goals(cfg, [row], [], {})
+    assert [g.met for g in goals] == [False, True]  # 1% misses 0.5%; the saving is within 5%
+    doc = tmp_path / "plan.md"
+    doc.write_text(f"before\n{plan_accuracy.START}\nold\n{plan_accuracy.END}\nafter\n")
+    inv = common.Invocation(script="plan_accuracy", command="cmd", args=None, cfg=cfg, env=Environment.now())
+    plan_accuracy.write_doc(inv, [plan_accuracy.accuracy_table([row], cfg.methods)], goals, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "+1.00%" in text and "MISSED" in text
