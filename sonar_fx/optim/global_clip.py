@@ -14,21 +14,42 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.nonfinite import finite
-from sonar_fx.optim.norms import clip_coefficient, plain, total_norm
+from sonar_fx.optim.nonfinite import NonFinitePolicy, finite
+from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
+from sonar_fx.optim.reduction import GradReduction
+from sonar_fx.optim.stats import SonarStats
 
-if TYPE_CHECKING:
-    from sonar_fx.optim.optimizer import SonarOptimizer
+
+class Optimizer(Protocol):
+    """What the passes read and write of `SonarOptimizer` (which imports this module, not the reverse)."""
+
+    cfg: OptimizerConfig
+    clipper: ExpertClipper
+    distributed: GradReduction | None
+    experts: ExpertSet
+    nonfinite_policy: NonFinitePolicy
+    stats: SonarStats
+
+    @property
+    def expert_group(self) -> dict[str, Any]: ...
+
+    def dense_params(self) -> list[Tensor]: ...
+
+    def model_order(self) -> dict[int, int]: ...
+
+    def dense_name(self, param: Tensor) -> str: ...
 
 
-def backward(opt: SonarOptimizer, loss: Callable[[], Tensor] | Tensor) -> Tensor:
+def backward(opt: Optimizer, loss: Callable[[], Tensor] | Tensor) -> Tensor:
     """Both passes of one step (see the module docstring); returns pass 1's loss, detached."""
     if not callable(loss):
         raise SonarUsageError(
@@ -63,7 +84,7 @@ def backward(opt: SonarOptimizer, loss: Callable[[], Tensor] | Tensor) -> Tensor
     return first.detach()
 
 
-def norm_pass(opt: SonarOptimizer, name: str, param: Tensor, grad: Tensor) -> bool:
+def norm_pass(opt: Optimizer, name: str, param: Tensor, grad: Tensor) -> bool:
     """In pass 1, record the norm of `name`'s gradient and update nothing: True if it did."""
     clipper = opt.clipper
     if opt.cfg.expert_clip != "global":
@@ -86,7 +107,7 @@ def norm_pass(opt: SonarOptimizer, name: str, param: Tensor, grad: Tensor) -> bo
 
 
 @torch.no_grad()
-def _global_norm(opt: SonarOptimizer) -> list[Tensor] | None:
+def _global_norm(opt: Optimizer) -> list[Tensor] | None:
     """Between the passes: the global norm and clip coefficient; the experts pass 2 must update
     (None: the step is skipped for a non-finite norm)."""
     norms, names = opt.clipper.current, opt.experts.names_by_id()

@@ -364,7 +364,18 @@ class SonarOptimizer(torch.optim.Optimizer):
     def report(self) -> dict[str, Any]:
         """What Sonar found and did: expert tensors, update counts by path, compiles and fallbacks
         (`sonar_fx.optim.report`)."""
-        return report(self)
+        settings = {
+            "expert_layers": len(self.experts.layers),
+            "expert_tensors": len(self._names),
+            "granularity": self.granularity,
+            "optimizer": self.cfg.name,
+            "expert_rule": self.expert_rule.name,
+            "expert_clip": self.cfg.expert_clip,
+            "grad_norms": self.grad_norms(),
+            "compiler": self.compiler,
+            "nonfinite": self.nonfinite,
+        }
+        return report(settings, self.stats, self.tracker)
 
     def grad_norms(self) -> dict[str, Any]:
         """The last completed step's gradient norms as floats (one host sync): "dense" (global norm of

@@ -1,29 +1,22 @@
 """`SonarOptimizer.report()`: what Sonar found and did, as one plain dict (JSON-ready, for logs and tests).
 
-It reads the optimizer's stats, tracker and clipper; it never changes them.
+It reads the optimizer's stats and step tracker; it never changes them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.stats import SonarStats
+from sonar_fx.optim.step_tracker import StepTracker
 
 
-def report(opt: SonarOptimizer) -> dict[str, Any]:
-    """Expert tensors, update counts by path, compiles and fallbacks, skips and abandoned steps."""
-    s, t = opt.stats, opt.tracker
+def report(settings: dict[str, Any], stats: SonarStats, tracker: StepTracker) -> dict[str, Any]:
+    """`settings` (what the optimizer was built with), then update counts by path, compiles and
+    fallbacks, the step in progress, skips and abandoned steps."""
+    s, t = stats, tracker
     return {
-        "expert_layers": len(opt.experts.layers),
-        "expert_tensors": len(opt.experts.params),
-        "granularity": opt.granularity,
-        "optimizer": opt.cfg.name,
-        "expert_rule": opt.expert_rule.name,
-        "expert_clip": opt.cfg.expert_clip,
-        "grad_norms": opt.grad_norms(),
-        "compiler": opt.compiler,
-        "nonfinite": opt.nonfinite,
+        **settings,
         "updates_in_graph": s.updates["graph"],
         "updates_by_hook": s.updates["hook"],
         "update_calls": s.update_calls,
