@@ -202,24 +202,20 @@ def _aot_cache_hits() -> int:
 
 
 def _record_compile(optimizer: SonarOptimizer, partitioner: SonarPartitioner, *, from_cache: bool) -> None:
-    stats = optimizer.stats
-    if from_cache:
-        # Inductor's AOTAutograd cache served the graph: compiled WITH the pass (the cache key holds
-        # the partitioner's uuid) in an earlier process, so the partitioner did not run to count.
-        stats.graphs_from_cache += 1
-    elif partitioner.ran:
-        stats.graphs_compiled += 1
-        stats.updates_inserted += partitioner.inserted
+    # Served by inductor's AOTAutograd cache: compiled WITH the pass (the cache key holds the
+    # partitioner's uuid) in an earlier process, so the partitioner did not run to count.
     compile_id = torch._guards.CompileContext.current_compile_id()
-    if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
-        stats.recompiles += 1
+    optimizer.stats.record_graph(
+        from_cache=from_cache,
+        inserted=partitioner.inserted if partitioner.ran else None,
+        recompile=compile_id is not None and (compile_id.frame_compile_id or 0) > 0,
+    )
 
 
 def record_fallback(optimizer: SonarOptimizer, err: Exception) -> str:
     """Note why compilation fell back to eager hooks; warn once per cause."""
     cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    if cause not in optimizer.stats.fallbacks:
-        optimizer.stats.fallbacks.append(cause)
+    if optimizer.stats.record_fallback(cause):
         warnings.warn(
             f"sonar: compilation failed ({cause}); this graph runs eagerly and its expert tensors are "
             "updated by hooks. Pass fallback=False to raise instead.",

@@ -5,8 +5,9 @@ the global norm of the dense gradients), "experts" (updated one batched tensor a
 `update_expert_`, called from a hook or from the compiled graph, as soon as its gradient is ready) and,
 for a config that updates hidden matrices apart (Muon), "dense_matrices" (end-of-step, clipped with
 the other dense gradients). The arithmetic is an update rule chosen from the config type (AdamW, Adam,
-SGD, Lion, Muon; see `rules`), the clipping and gradient norms are `norms`'; `backward(closure)` runs
-the two passes that exact global clipping of expert gradients needs (expert_clip="global").
+SGD, Lion, Muon; see `rules`); around it live, each in its own module, the clipping and gradient
+norms (`norms`), the two passes of exact global clipping (`global_clip`), the non-finite policy
+(`nonfinite`), the step's bookkeeping (`step_tracker`) and `report`.
 The optimizer binds its expert tensors to itself in the runtime registry (weakly), so whatever runs
 in backward finds it from the tensor at hand; a deep copy or an unpickled optimizer binds its own
 tensors. It never decides where updates run; the eager hooks and the graph pass do.
@@ -14,32 +15,30 @@ tensors. It never decides where updates run; the eager hooks and the graph pass 
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.errors import NonFiniteGradientError, SonarUsageError
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
-from sonar_fx.optim import lowbit
-from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
-from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
+from sonar_fx.optim import global_clip, lowbit
+from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
+from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
+from sonar_fx.optim.report import report
 from sonar_fx.optim.rules import matrix_rule_for, rule_for
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.runtime import hooks, registry
 
 Granularity = Literal["batched", "per_expert"]
-NonFinite = Literal["raise", "skip", "ignore"]
-NONFINITE = ("raise", "skip", "ignore")
 
-__all__ = ["Accumulation", "Granularity", "NonFinite", "SonarOptimizer"]
+__all__ = ["NONFINITE", "Accumulation", "Granularity", "NonFinite", "SonarOptimizer"]
 
 
 class SonarOptimizer(torch.optim.Optimizer):
@@ -60,13 +59,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         distributed: GradReduction | None = None,
         matrices: Sequence[nn.Parameter] = (),
     ) -> None:
-        """`param_order`: every trainable parameter in the model's order (`model.parameters()`), the
-        order in which expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model
-        would (default: dense, then experts). `compiler`: what compiles the model's forward ("eager":
-        nothing; reported by `report()`). `distributed`: how expert gradients are reduced across ranks
-        before their update (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense
-        tensors a config with a matrix rule (Muon) updates as hidden matrices
-        (`sonar_fx.optim.matrices.matrix_params`)."""
+        """`dense_names`: the model's names of `dense_params`, for messages. `param_order`: every
+        trainable parameter in the model's order (`model.parameters()`), the order in which
+        expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model would (default:
+        dense, then experts). `compiler`: what compiles the model's forward ("eager": nothing; reported
+        by `report()`). `distributed`: how expert gradients are reduced across ranks before their update
+        (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense tensors a config
+        with a matrix rule (Muon) updates as hidden matrices (`sonar_fx.optim.matrices.matrix_params`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
@@ -81,7 +80,6 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.accumulation = accumulation
         self.nonfinite = nonfinite
         self.experts = ExpertSet(tuple(expert_layers))
-        self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
         self.compiler = compiler
         self.distributed = distributed
@@ -96,8 +94,11 @@ class SonarOptimizer(torch.optim.Optimizer):
             groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg)))
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
         rank = {id(p): i for i, p in enumerate(order)}
-        # Position in model order of each param, in param-group order: plain ints, so copies keep it.
-        self._norm_rank = [rank[id(p)] for g in groups for p in g["params"]]
+        labels = dict(zip(map(id, dense_params), dense_names or (), strict=False))
+        flat = [p for g in groups for p in g["params"]]
+        # Per param, in param-group order: plain ints and strings, so copies and pickles keep them.
+        self._norm_rank = [rank[id(p)] for p in flat]
+        self._labels = [labels.get(id(p)) for p in flat]
         super().__init__(groups, self.rule.defaults(cfg))
         self._bind()
 
@@ -106,10 +107,13 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _bind(self) -> None:
         """Own the expert tensors: registry entries and hooks, both released when self is collected."""
         self.tracker = StepTracker(self.accumulation)
-        self._skip_flags: dict[str, Tensor] = {}
+        self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
         self._names = self.experts.names_by_id()
+        flat = [p for g in self.param_groups for p in g["params"]]
+        self._order = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
+        self._label = {id(p): name for p, name in zip(flat, self._labels, strict=True) if name}
         params = self.experts.params
         for p in params:
             registry.bind(p, self)
@@ -123,11 +127,11 @@ class SonarOptimizer(torch.optim.Optimizer):
         keep = (
             "cfg",
             "_norm_rank",
+            "_labels",
             "granularity",
             "accumulation",
             "nonfinite",
             "experts",
-            "dense_names",
             "stats",
         )
         state.update({k: self.__dict__[k] for k in keep})
@@ -143,7 +147,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.rule, self.expert_rule = rule_for(cfg), rule_for(cfg, experts=True)
         self.matrix_rule = matrix_rule_for(cfg)
 
-    # ------------------------------------------------------------------------------------ updates
+    # ------------------------------------------------------------------------------ groups, state
 
     @property
     def expert_layers(self) -> list[ExpertLayer]:
@@ -157,16 +161,23 @@ class SonarOptimizer(torch.optim.Optimizer):
     def expert_group(self) -> dict[str, Any]:
         return self.param_groups[1]
 
+    def dense_params(self) -> list[Tensor]:
+        """Every dense parameter, in model order (the order the dense norm sums in)."""
+        experts = self._names
+        dense = [p for g in self.param_groups for p in g["params"] if id(p) not in experts]
+        return sorted(dense, key=lambda p: self._order[id(p)])
+
+    def model_order(self) -> dict[int, int]:
+        """id(param) -> its position in the model's order, for every parameter this optimizer holds."""
+        return self._order
+
+    def dense_name(self, param: Tensor) -> str:
+        """The model's name of a dense parameter, for messages."""
+        return self._label.get(id(param)) or f"dense tensor #{self._order[id(param)]}"
+
     def _dense_updates(self) -> list[tuple[dict[str, Any], Any]]:
         """(param group, its rule) of every group updated at `step()`."""
         return [(self.dense_group, self.rule)] + [(g, self.matrix_rule) for g in self.param_groups[2:]]
-
-    def _dense_params(self) -> list[Tensor]:
-        """Every dense parameter, in model order (the order the dense norm sums in)."""
-        flat = [p for g in self.param_groups for p in g["params"]]
-        experts = {id(p) for p in self.expert_group["params"]}
-        ranked = sorted(zip(self._norm_rank, flat, strict=True), key=lambda rp: rp[0])
-        return [p for _, p in ranked if id(p) not in experts]
 
     def _state(self, param: Tensor, *, expert: str | None = None, rule: Any = None) -> dict[str, Any]:
         state = self.state[param]
@@ -185,6 +196,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         for p in self.expert_group["params"]:
             self._state(p, expert=self._names[id(p)])
         self._fresh.clear()  # a template, not a first update that a skipped step would undo
+
+    # ------------------------------------------------------------------------------------ updates
 
     @torch.no_grad()
     def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None:
@@ -205,46 +218,24 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update_now(self, name: str, param: Tensor, grad: Tensor, path: str) -> None:
-        if self._norm_pass(name, param, grad):  # after the reduction: the norm of the reduced gradient
+        # After the reduction: the norm pass of expert_clip="global" records the reduced gradient's norm.
+        if global_clip.norm_pass(self, name, param, grad):
             return
         if self.tracker.before_update(name):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
         g = grad_like_param(param, grad)
         norm = self.clipper.norm_of(name, g)
-        found_inf = self._nonfinite_flag(name, grad, norm)
+        found_inf = self.nonfinite_policy.flag(name, grad, norm)
         # A hook's gradient is param.grad, freed right after: ours to scale in place, as is a copy.
         g = self.clipper.clip(name, g, owned=g is not grad or path == "hook")
         group, state = self.expert_group, self._state(param, expert=name)
         if self.granularity == "batched":
             self.expert_rule.update_([param], [g], [state], group, found_inf=found_inf)
-            self.stats.update_calls += 1
-        else:
-            # The ablation: one kernel call per expert slice.
-            self.stats.update_calls += self.expert_rule.update_slices_(
-                param, g, state, group, found_inf=found_inf
-            )
+            calls = 1
+        else:  # the ablation: one kernel call per expert slice
+            calls = self.expert_rule.update_slices_(param, g, state, group, found_inf=found_inf)
         self.tracker.record(name)
-        self.stats.record_update(name, path)
-
-    def _norm_pass(self, name: str, param: Tensor, grad: Tensor) -> bool:
-        """The first pass of expert_clip="global": record the norm, update nothing. True if it ran."""
-        if self.cfg.expert_clip != "global":
-            return False
-        if self.clipper.backward_pass is None:
-            raise SonarUsageError(
-                f"{name}: expert_clip='global' clips by the norm of ALL gradients, known only after a "
-                "first backward pass: call optimizer.backward(lambda: model(**batch).loss) (it runs both "
-                "passes) instead of loss.backward()."
-            )
-        if self.clipper.backward_pass == "update":
-            return False
-        if name in self.clipper.current.experts:
-            raise SonarUsageError(
-                f"{name} received two gradients in one backward (a module that runs twice per forward): "
-                "expert_clip='global' needs each expert gradient whole; use expert_clip='per_tensor' or None."
-            )
-        self.clipper.norm_of(name, grad_like_param(param, grad))  # recorded for the update pass
-        return True
+        self.stats.record_update(name, path, calls=calls)
 
     def _check_tensor(self, name: str, param: Tensor, grad: Tensor) -> None:
         if param.dtype == torch.float16:
@@ -269,42 +260,13 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "the first step, or load a checkpoint into a model already on its final device and dtype."
             )
 
-    def _nonfinite_flag(self, name: str, grad: Tensor, norm: Tensor | None) -> Tensor | None:
-        """The kernel's skip flag (device-side, no sync): a non-finite gradient leaves its tensor
-        untouched under "raise" and "skip"; which ones were non-finite is read once per backward.
-        With the gradient's norm at hand it decides (an inf or NaN makes the norm non-finite), so the
-        logged norm costs no extra pass over the gradient; a finite gradient whose norm overflows
-        (entries near 1e19 in fp32) counts as non-finite too."""
-        if self.nonfinite == "ignore":
-            return None
-        if norm is not None and not _is_dtensor(grad):
-            bad = (~torch.isfinite(norm)).to(torch.float32)
-            self._skip_flags[name] = bad
-            return bad
-        flag = nonfinite_flag(grad)
-        # An FSDP2 shard's flag is a replicated DTensor (the whole tensor's verdict): keep its plain value.
-        full = getattr(flag, "full_tensor", None)
-        self._skip_flags[name] = full() if full is not None else flag
-        return flag
-
     def _backward_finished(self) -> None:
         """Autograd runs this when a backward that updated experts ends (never when it raised)."""
         self.tracker.open_task = None
-        if self.nonfinite != "raise" or not self._skip_flags:
-            return
-        bad = self._nonfinite_names()
-        if not self._any_rank(bool(bad)):
-            return
-        self.tracker.interrupted = [n for n in self.tracker.updated if n not in bad]
-        where = ", ".join(bad[:4]) or "expert tensors of another rank"
-        raise NonFiniteGradientError(
-            f"non-finite expert gradients (inf or NaN) in {where}"
-            f"{' ...' if len(bad) > 4 else ''} (nonfinite='raise'): their weights and moments are untouched. "
-            f"{len(self.tracker.interrupted)} expert tensor(s) with finite gradients were already updated "
-            "in this backward. Call optimizer.abandon_step() to drop the step and go on, restore the last "
-            "checkpoint for an exact run, or pass nonfinite='skip' to skip such steps.",
-            bad,
-        )
+        err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
+        if err is not None:
+            self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
+            raise err
 
     # -------------------------------------------------------------------------------- step, recovery
 
@@ -318,14 +280,23 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
             return
-        params = [p for p in self._dense_params() if p.grad is not None]
+        params = [p for p in self.dense_params() if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         norms = self.clipper.current
         if grads and norms.dense is None:
             # Always taken (the logged dense norm); get_total_norm + clip_grads_with_norm_ is what
             # clip_grad_norm_ runs: the same bits.
             norms.dense = plain(torch.nn.utils.get_total_norm(grads))
-        if self._skip_step(params, norms.dense):
+        skipped = self.nonfinite_policy.at_step(
+            norms.dense,
+            lambda: [self.dense_name(p) for p in params if not finite(p.grad)],
+            self._any_rank,
+            self.stats,
+        )
+        if skipped is not None:
+            for p in params:
+                p.grad = None
+            self._forget_fresh_states(skipped)
             self._end_step()
             return
         clip_by = norms.total if self.cfg.expert_clip == "global" else norms.dense
@@ -338,161 +309,14 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._end_step()
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
-        """Backward for this optimizer's step; returns the loss. `loss` is the loss, or a closure that
-        computes it (a forward), which expert_clip="global" needs.
-
-        Under expert_clip="global" the step runs forward and backward twice, exactly. Pass 1 computes
-        every gradient: dense ones stay in `.grad`, each expert gradient leaves only its norm and is
-        freed at once, so expert gradients are never all alive. The global norm (dense + experts,
-        summed in parameter order as `clip_grad_norm_` sums it) gives the clip coefficient. Pass 2
-        runs the forward again from the same RNG state and a backward that computes expert gradients
-        only (`inputs=`), clipping and updating each. Costs one more forward and backward; the graph
-        of pass 1 is not kept (that would hold every activation through both passes, and a compiled
-        backward may reuse its saved buffers, which is why torch refuses retain_graph for it).
-        """
-        if self.cfg.expert_clip != "global":
-            out = loss() if callable(loss) else loss
-            out.backward()
-            return out.detach()
-        if not callable(loss):
-            raise SonarUsageError(
-                "expert_clip='global' runs the forward twice (the global norm is known only after a first "
-                "backward): pass the forward as a closure, optimizer.backward(lambda: model(**batch).loss)."
-            )
-        if self.clipper.backward_pass is not None or self.clipper.current.experts:
-            raise SonarUsageError(
-                "optimizer.backward() was called twice before step(): expert_clip='global' applies the "
-                "update of a step once; call step() (or abandon_step()) after each backward."
-            )
-        rng = _rng_state()
-        self.clipper.backward_pass = "norm"
-        try:
-            first = loss()
-            first.backward()
-        except BaseException:
-            self.clipper.abandon()
-            raise
-        experts = self._global_norm()
-        if experts is None:  # non-finite under nonfinite="skip": the step is skipped
-            return first.detach()
-        _set_rng_state(rng)  # pass 2 draws what pass 1 drew (dropout): the same forward, bit for bit
-        self.clipper.backward_pass = "update"
-        replay = nullcontext(experts) if self.distributed is None else self.distributed.replay(experts)
-        try:
-            with replay as inputs:  # an engine's own setting for pass 2 (DDP: its reducer left out)
-                torch.autograd.backward(loss(), inputs=inputs)
-        finally:
-            self.clipper.backward_pass = None
-        return first.detach()
-
-    @torch.no_grad()
-    def _global_norm(self) -> list[Tensor] | None:
-        """Between the passes: the global norm and clip coefficient; the experts pass 2 must update
-        (None: the step is skipped for a non-finite norm)."""
-        norms = self.clipper.current
-        dense = [p for p in self._dense_params() if p.grad is not None]
-        dense_norms = torch._foreach_norm([p.grad for p in dense if p.grad is not None], 2.0) if dense else []
-        by_param: dict[int, Tensor] = {id(p): n for p, n in zip(dense, dense_norms, strict=True)}
-        names = {name: pid for pid, name in self._names.items()}
-        experts = [p for p in self.expert_group["params"] if self._names[id(p)] in norms.experts]
-        by_param.update({names[n]: self.clipper.clip_norm(n) for n in norms.experts})
-        flat = [p for g in self.param_groups for p in g["params"]]
-        rank = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
-        in_order = sorted(by_param, key=rank.__getitem__)
-        ordered = [by_param[pid] for pid in in_order]
-        if self.distributed is None:
-            norms.total = total_norm(ordered)
-        else:  # the engine's reduction of the norms (FSDP2 shards, each rank's own experts)
-            is_expert = [pid in names.values() for pid in in_order]
-            norms.total = self.distributed.global_norm(ordered, is_expert)
-        norms.dense = plain(total_norm(list(dense_norms))) if dense_norms else None
-        assert self.cfg.max_grad_norm is not None  # the config refuses "global" without a threshold
-        self.clipper.coef = clip_coefficient(norms.total, self.cfg.max_grad_norm)
-        if self.nonfinite == "ignore" or bool(torch.isfinite(norms.total)):  # one sync per step
-            return experts
-        bad = [n for n, v in norms.experts.items() if not bool(torch.isfinite(v))]
-        bad += [self._dense_name(i) for i, p in enumerate(self._dense_params()) if not _finite(p.grad)]
-        if self.nonfinite == "raise":
-            self.clipper.abandon()
-            raise NonFiniteGradientError(
-                f"non-finite gradients (inf or NaN) in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} "
-                "(nonfinite='raise', expert_clip='global'): found by the norm pass, before any weight or "
-                "moment was touched. Call optimizer.abandon_step() to drop the step and go on, or pass "
-                "nonfinite='skip' to skip such steps.",
-                bad,
-            )
-        self.stats.skipped_steps += 1
-        self.stats.skipped_updates.update(n for n in norms.experts if n in bad)
-        if self.stats.skipped_steps == 1:
-            warnings.warn(
-                f"sonar: non-finite gradients in {', '.join(bad[:4])}, step skipped (nonfinite='skip', "
-                "expert_clip='global'); report() counts every skip.",
-                stacklevel=3,
-            )
-        for p in self._dense_params():
-            p.grad = None
-        self.clipper.skip_step = True
-        return None
-
-    def _skip_step(self, params: list[Tensor], total_norm: Tensor | None) -> bool:
-        """Apply the non-finite policy to the dense gradients (and, under "skip", the experts')."""
-        if self.nonfinite == "ignore":
-            return False
-        skipped = self._nonfinite_names()
-        dense_bad = total_norm is not None and not bool(torch.isfinite(total_norm))
-        if dense_bad and self.nonfinite == "raise":
-            bad = [self._dense_name(i) for i, p in enumerate(params) if not _finite(p.grad)]
-            raise NonFiniteGradientError(
-                f"dense gradients hold inf or NaN ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; "
-                "nonfinite='raise'); no dense weight or moment was touched. The expert tensors were updated "
-                "in backward with finite gradients: call optimizer.abandon_step() to drop this step's dense "
-                "gradients, or pass nonfinite='skip' to skip such steps.",
-                bad,
-            )
-        if not self._any_rank(dense_bad or bool(skipped)):
-            return False
-        self.stats.skipped_updates.update(skipped)
-        self.stats.skipped_steps += 1
-        if self.stats.skipped_steps == 1:
-            warnings.warn(
-                f"sonar: non-finite gradients, step skipped (nonfinite='skip'; experts skipped: "
-                f"{len(skipped)}, dense: {'yes' if dense_bad else 'no'}); report() counts every skip.",
-                stacklevel=3,
-            )
-        for p in params:
-            p.grad = None
-        self._forget_fresh_states(skipped)
-        return True
-
-    def _forget_fresh_states(self, names: list[str]) -> None:
-        """A tensor whose FIRST update was skipped gets no state, as if it had never been stepped (an
-        SGD momentum buffer is only initialized by an update that runs)."""
-        params = {name: pid for pid, name in self._names.items()}
-        by_id = {id(p): p for p in self.expert_group["params"]}
-        for name in names:
-            if name in self._fresh:
-                self.state.pop(by_id[params[name]], None)
-
-    def _any_rank(self, local: bool) -> bool:
-        """`local` on any rank: every rank stops or skips a step alike (one process: `local`)."""
-        return local if self.distributed is None else self.distributed.any_rank(local)
-
-    def _nonfinite_names(self) -> list[str]:
-        """Expert tensors whose gradient was non-finite since the last step (one sync for all)."""
-        if not self._skip_flags:
-            return []
-        flags = torch.stack(list(self._skip_flags.values())).tolist()
-        return [name for name, flag in zip(self._skip_flags, flags, strict=True) if flag]
-
-    def _dense_name(self, index: int) -> str:
-        return self.dense_names[index] if self.dense_names else f"dense tensor #{index}"
-
-    def _end_step(self) -> None:
-        self.clipper.end_step()
-        self._fresh.clear()
-        self._skip_flags.clear()
-        self.tracker.reset()
-        self.stats.end_step()
+        """Backward for this optimizer's step; returns the loss, detached. `loss` is the loss, or a
+        closure that computes it (a forward), which expert_clip="global" needs: it runs forward and
+        backward twice, exactly (`sonar_fx.optim.global_clip`)."""
+        if self.cfg.expert_clip == "global":
+            return global_clip.backward(self, loss)
+        out = loss() if callable(loss) else loss
+        out.backward()
+        return out.detach()
 
     def abandon_step(self) -> list[str]:
         """Drop a step a backward left partial (it raised): dense gradients and the step's bookkeeping.
@@ -505,20 +329,43 @@ class SonarOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        self.stats.abandoned_steps.append(updated)
-        self.stats.current_step = {}
-        self._forget_fresh_states(self._nonfinite_names())
-        self._fresh.clear()
+        self._forget_fresh_states(self.nonfinite_policy.flagged())
         self.clipper.abandon()
-        self._skip_flags.clear()
-        self.tracker.reset()
+        self.stats.abandon_step(updated)
+        self._forget_step()
         return updated
 
+    def _end_step(self) -> None:
+        self.clipper.end_step()
+        self.stats.end_step()
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """What every end of a step, completed or abandoned, clears."""
+        self._fresh.clear()
+        self.nonfinite_policy.flags.clear()
+        self.tracker.reset()
+
+    def _forget_fresh_states(self, names: list[str]) -> None:
+        """A tensor whose FIRST update was skipped gets no state, as if it had never been stepped (an
+        SGD momentum buffer is only initialized by an update that runs)."""
+        by_name = {name: pid for pid, name in self._names.items()}
+        by_id = {id(p): p for p in self.expert_group["params"]}
+        for name in names:
+            if name in self._fresh:
+                self.state.pop(by_id[by_name[name]], None)
+
+    def _any_rank(self, local: bool) -> bool:
+        """`local` on any rank: every rank stops or skips a step alike (one process: `local`)."""
+        return local if self.distributed is None else self.distributed.any_rank(local)
+
+    # ------------------------------------------------------------------------- report, state dicts
+
     def report(self) -> dict[str, Any]:
-        """What Sonar found and did: expert tensors, update counts by path, compiles and fallbacks."""
-        s, t = self.stats, self.tracker
-        return {
-            "expert_layers": len(self.expert_layers),
+        """What Sonar found and did: expert tensors, update counts by path, compiles and fallbacks
+        (`sonar_fx.optim.report`)."""
+        settings = {
+            "expert_layers": len(self.experts.layers),
             "expert_tensors": len(self._names),
             "granularity": self.granularity,
             "optimizer": self.cfg.name,
@@ -527,32 +374,14 @@ class SonarOptimizer(torch.optim.Optimizer):
             "grad_norms": self.grad_norms(),
             "compiler": self.compiler,
             "nonfinite": self.nonfinite,
-            "updates_in_graph": s.updates["graph"],
-            "updates_by_hook": s.updates["hook"],
-            "update_calls": s.update_calls,
-            "graphs_compiled": s.graphs_compiled,
-            "graphs_from_cache": s.graphs_from_cache,
-            "updates_inserted": s.updates_inserted,
-            "recompiles": s.recompiles,
-            "fallbacks": list(s.fallbacks),
-            "last_step": dict(s.last_step),
-            "step_in_progress": {
-                "updated": sorted(t.updated),
-                "backward_unfinished": t.open_task is not None,
-                "interrupted": t.interrupted is not None,
-            },
-            "skipped_updates": dict(s.skipped_updates),
-            "skipped_steps": s.skipped_steps,
-            "abandoned_steps": [list(names) for names in s.abandoned_steps],
         }
+        return report(settings, self.stats, self.tracker)
 
     def grad_norms(self) -> dict[str, Any]:
         """The last completed step's gradient norms as floats (one host sync): "dense" (global norm of
         the dense gradients), "total" (dense and experts, expert_clip="global" only) and "experts"
         (name -> norm of that tensor's gradient), all before clipping."""
         return self.clipper.last.as_floats()
-
-    # ------------------------------------------------------------------------------- state dicts
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict; low-bit expert states are stored as their plain tensors (codes, scales)."""
@@ -577,26 +406,6 @@ def _refuse_unsupported(cfg: OptimizerConfig, expert_rule: str, granularity: str
         )
 
 
-def _rng_state() -> tuple[Tensor, list[Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
 def _release(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _finite(t: Tensor | None) -> bool:
-    return t is None or bool(nonfinite_flag(t) == 0)
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    """An FSDP2 shard's gradient: its norm is this rank's part, so the flag comes from the whole tensor."""
-    return hasattr(t, "full_tensor")

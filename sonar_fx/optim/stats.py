@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
 @dataclass
 class SonarStats:
-    """Mutable counters; the optimizer, the hooks and the backend write them, tests read them."""
+    """Counters the optimizer and the backend record through the methods below; `report()` reads them."""
 
     updates: Counter[str] = field(default_factory=Counter)
     """Expert updates so far, by path ("graph" or "hook")."""
@@ -35,10 +36,41 @@ class SonarStats:
     abandoned_steps: list[list[str]] = field(default_factory=list)
     """For each `abandon_step()`: the expert tensors its interrupted backward had already updated."""
 
-    def record_update(self, name: str, path: str) -> None:
+    def record_update(self, name: str, path: str, *, calls: int = 1) -> None:
+        """One expert tensor updated by `path` ("graph" or "hook") in `calls` kernel calls."""
         self.updates[path] += 1
+        self.update_calls += calls
         self.current_step[name] = path
+
+    def record_graph(self, *, from_cache: bool, inserted: int | None, recompile: bool) -> None:
+        """A backward graph compiled for this optimizer's model: served by the cache (`from_cache`) or
+        rewritten by the pass with `inserted` update nodes (None: the pass did not run on it)."""
+        if from_cache:
+            self.graphs_from_cache += 1
+        elif inserted is not None:
+            self.graphs_compiled += 1
+            self.updates_inserted += inserted
+        self.recompiles += recompile
+
+    def record_fallback(self, cause: str) -> bool:
+        """A compilation that fell back to hooks; True the first time this cause is seen."""
+        if cause in self.fallbacks:
+            return False
+        self.fallbacks.append(cause)
+        return True
+
+    def record_skipped_step(self, experts: Iterable[str]) -> bool:
+        """A step skipped for a non-finite gradient, with the expert updates it skipped; True for the
+        first skip of the run (the one that warns)."""
+        self.skipped_updates.update(experts)
+        self.skipped_steps += 1
+        return self.skipped_steps == 1
 
     def end_step(self) -> None:
         self.last_step = self.current_step
+        self.current_step = {}
+
+    def abandon_step(self, updated: list[str]) -> None:
+        """`abandon_step()`: `updated` the tensors the interrupted backward had updated."""
+        self.abandoned_steps.append(updated)
         self.current_step = {}

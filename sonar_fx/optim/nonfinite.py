@@ -1,0 +1,154 @@
+"""The non-finite policy of a Sonar step: what a gradient holding inf or NaN does to the step.
+
+An in-backward update cannot wait for a verdict: each expert update takes a device-side flag (no
+sync) and the kernel leaves a flagged tensor untouched. This module sets those flags and, once a
+backward or a step ends, reads them all in one sync and applies `nonfinite`: "raise" stops the run
+naming the tensors, "skip" skips the step (counted in the stats, warned once), "ignore" trains on.
+Every rank decides alike (`any_rank`). It never updates a weight or a moment.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from sonar_fx.errors import NonFiniteGradientError
+from sonar_fx.optim.adamw import nonfinite_flag
+from sonar_fx.optim.stats import SonarStats
+
+NonFinite = Literal["raise", "skip", "ignore"]
+NONFINITE = ("raise", "skip", "ignore")
+
+AnyRank = Callable[[bool], bool]
+"""`local` on any rank (one process: `local`)."""
+
+_ABANDON = "Call optimizer.abandon_step() to drop the step and go on"
+_SKIP = "or pass nonfinite='skip' to skip such steps."
+
+
+class NonFinitePolicy:
+    """The flags of the step in progress and the verdicts on them (one per `SonarOptimizer`)."""
+
+    def __init__(self, mode: NonFinite) -> None:
+        if mode not in NONFINITE:
+            raise ValueError(f"nonfinite={mode!r}: expected one of {', '.join(map(repr, NONFINITE))}.")
+        self.mode = mode
+        self.flags: dict[str, Tensor] = {}
+        """Expert tensor name -> 1.0 if its gradient in this step was non-finite (device-side)."""
+
+    def flag(self, name: str, grad: Tensor, norm: Tensor | None) -> Tensor | None:
+        """The kernel's skip flag for `grad` (None under "ignore"). With the gradient's norm at hand it
+        decides (an inf or NaN makes the norm non-finite), so the logged norm costs no extra pass over
+        the gradient; a finite gradient whose norm overflows (entries near 1e19 in fp32) counts as
+        non-finite too."""
+        if self.mode == "ignore":
+            return None
+        if norm is not None and not _is_dtensor(grad):
+            bad = (~torch.isfinite(norm)).to(torch.float32)
+            self.flags[name] = bad
+            return bad
+        flag = nonfinite_flag(grad)
+        # An FSDP2 shard's flag is a replicated DTensor (the whole tensor's verdict): keep its plain value.
+        full = getattr(flag, "full_tensor", None)
+        self.flags[name] = full() if full is not None else flag
+        return flag
+
+    def flagged(self) -> list[str]:
+        """Expert tensors whose gradient was non-finite since the last step (one sync for all)."""
+        if not self.flags:
+            return []
+        flags = torch.stack(list(self.flags.values())).tolist()
+        return [name for name, flag in zip(self.flags, flags, strict=True) if flag]
+
+    def after_backward(self, updated: Sequence[str], any_rank: AnyRank) -> NonFiniteGradientError | None:
+        """At the end of a backward that updated experts (`updated`): the error to raise under "raise"
+        (its `tensors`: the non-finite ones), or None to go on."""
+        if self.mode != "raise" or not self.flags:
+            return None
+        bad = self.flagged()
+        if not any_rank(bool(bad)):
+            return None
+        done = [n for n in updated if n not in bad]
+        where = _listing(bad) or "expert tensors of another rank"
+        return NonFiniteGradientError(
+            f"non-finite expert gradients (inf or NaN) in {where} "
+            f"(nonfinite='raise'): their weights and moments are untouched. {len(done)} expert tensor(s) "
+            f"with finite gradients were already updated in this backward. {_ABANDON}, restore the last "
+            f"checkpoint for an exact run, {_SKIP}",
+            bad,
+        )
+
+    def at_step(
+        self,
+        dense_norm: Tensor | None,
+        dense_bad: Callable[[], list[str]],
+        any_rank: AnyRank,
+        stats: SonarStats,
+    ) -> list[str] | None:
+        """At `step()`: the flagged expert names if the step is skipped (the caller drops the dense
+        gradients), None to step. A non-finite dense norm raises under "raise", naming `dense_bad()`."""
+        if self.mode == "ignore":
+            return None
+        skipped = self.flagged()
+        dense = dense_norm is not None and not bool(torch.isfinite(dense_norm))
+        if dense and self.mode == "raise":
+            bad = dense_bad()
+            raise NonFiniteGradientError(
+                f"dense gradients hold inf or NaN ({_listing(bad)}; nonfinite='raise'); no dense weight or "
+                "moment was touched. The expert tensors were updated in backward with finite gradients: "
+                f"{_ABANDON} (drops this step's dense gradients), {_SKIP}",
+                bad,
+            )
+        if not any_rank(dense or bool(skipped)):
+            return None
+        _count_skip(stats, skipped, f"experts skipped: {len(skipped)}, dense: {'yes' if dense else 'no'}")
+        return skipped
+
+    def at_global_norm(
+        self,
+        total: Tensor,
+        expert_norms: dict[str, Tensor],
+        dense_bad: Callable[[], list[str]],
+        stats: SonarStats,
+    ) -> bool:
+        """Between the two passes of expert_clip="global", before any weight or moment was touched:
+        True if the step is skipped for a non-finite global norm; raises under "raise"."""
+        if self.mode == "ignore" or bool(torch.isfinite(total)):  # one sync per step
+            return False
+        bad = [n for n, v in expert_norms.items() if not bool(torch.isfinite(v))] + dense_bad()
+        if self.mode == "raise":
+            raise NonFiniteGradientError(
+                f"non-finite gradients (inf or NaN) in {_listing(bad)} (nonfinite='raise', "
+                "expert_clip='global'): found by the norm pass, before any weight or moment was touched. "
+                f"{_ABANDON}, {_SKIP}",
+                bad,
+            )
+        _count_skip(stats, [n for n in expert_norms if n in bad], f"in {_listing(bad)}, expert_clip='global'")
+        return True
+
+
+def finite(t: Tensor | None) -> bool:
+    """`t` holds no inf or NaN (None: no gradient, nothing to hold)."""
+    return t is None or bool(nonfinite_flag(t) == 0)
+
+
+def _count_skip(stats: SonarStats, experts: list[str], detail: str) -> None:
+    if stats.record_skipped_step(experts):
+        warnings.warn(
+            f"sonar: non-finite gradients, step skipped (nonfinite='skip'; {detail}); report() counts "
+            "every skip.",
+            stacklevel=4,
+        )
+
+
+def _listing(names: Sequence[str]) -> str:
+    return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    """An FSDP2 shard's gradient: its norm is this rank's part, so the flag comes from the whole tensor."""
+    return hasattr(t, "full_tensor")
