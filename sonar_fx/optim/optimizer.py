@@ -29,9 +29,12 @@ from sonar_fx.optim.adamw import grad_like_param, nonfinite_flag
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.rules import rule_for
+from sonar_fx.optim.saving import OnSavingLost, SavingGuard, expert_grad_bytes, resolve_on_saving_lost
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
+from sonar_fx.optim.untracked import UntrackedGradients
 from sonar_fx.runtime import hooks, registry
+from sonar_fx.runtime.meter import ExpertGradMeter
 
 Granularity = Literal["batched", "per_expert"]
 NonFinite = Literal["raise", "skip", "ignore"]
@@ -56,12 +59,15 @@ class SonarOptimizer(torch.optim.Optimizer):
         param_order: Sequence[nn.Parameter] | None = None,
         compiler: str = "eager",
         distributed: GradReduction | None = None,
+        on_saving_lost: OnSavingLost | None = None,
     ) -> None:
         """`param_order`: every trainable parameter in the model's order (`model.parameters()`), the
         order in which expert_clip="global" sums per-tensor norms, as `clip_grad_norm_` over the model
         would (default: dense, then experts). `compiler`: what compiles the model's forward ("eager":
         nothing; reported by `report()`). `distributed`: how expert gradients are reduced across ranks
-        before their update (None: one process); `sonar_fx.distributed` passes it."""
+        before their update (None: one process); `sonar_fx.distributed` passes it. `on_saving_lost`: what
+        a compiled graph that returns expert gradients un-rewritten does ("warn" or "raise"; see
+        `sonar_fx.optim.saving`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
@@ -77,8 +83,11 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.experts = ExpertSet(tuple(expert_layers))
         self.dense_names = list(dense_names) if dense_names is not None else None
         self.stats = SonarStats()
+        self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
         self.compiler = compiler
         self.distributed = distributed
+        self.untracked: UntrackedGradients | None = None
+        """Watches the model for trainable tensors no group holds (set by `prepare`)."""
         defaults = self.rule.defaults(cfg)
         experts = self.experts.params
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
@@ -95,6 +104,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _bind(self) -> None:
         """Own the expert tensors: registry entries and hooks, both released when self is collected."""
         self.tracker = StepTracker(self.accumulation)
+        self.meter = ExpertGradMeter()
         self._skip_flags: dict[str, Tensor] = {}
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
@@ -118,15 +128,24 @@ class SonarOptimizer(torch.optim.Optimizer):
             "experts",
             "dense_names",
             "stats",
+            "saving",
         )
         state.update({k: self.__dict__[k] for k in keep})
         state.update(compiler=self.compiler, distributed=None)
+        # The watched model itself (a deep copy of the model maps it to the copy); weak again once restored.
+        state["untracked"] = self.untracked.model() if self.untracked is not None else None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        model = state.pop("untracked", None)
         super().__setstate__(state)
+        self.untracked = UntrackedGradients(model) if model is not None else None
         self.rule, self.expert_rule = rule_for(self.cfg), rule_for(self.cfg, experts=True)
         self._bind()  # a deep copy binds the copied tensors (its model's, when the model was copied)
+
+    def expert_name(self, param: Tensor) -> str:
+        """The model's name for the expert tensor `param` (one of this optimizer's)."""
+        return self._names.get(id(param), f"an expert tensor {tuple(param.shape)}")
 
     # ------------------------------------------------------------------------------------ updates
 
@@ -260,9 +279,15 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._skip_flags[name] = full() if full is not None else flag
         return flag
 
+    def backward_began(self) -> None:
+        """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
+        self.tracker.backward_began()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
     def _backward_finished(self) -> None:
-        """Autograd runs this when a backward that updated experts ends (never when it raised)."""
-        self.tracker.open_task = None
+        """Autograd runs this when a backward that updated experts (or began at the model's outputs)
+        ends; never when it raised."""
+        self.tracker.backward_finished()
         if self.nonfinite != "raise" or not self._skip_flags:
             return
         bad = self._nonfinite_names()
@@ -287,6 +312,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         expert_clip="global"), then the fused update. Experts are done."""
         if closure is not None:
             raise SonarUsageError("SonarOptimizer.step() takes no closure: experts update during backward.")
+        if self.untracked is not None:
+            self.untracked.check(p for group in self.param_groups for p in group["params"])
         self.tracker.before_step()
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
@@ -453,6 +480,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         return self.dense_names[index] if self.dense_names else f"dense tensor #{index}"
 
     def _end_step(self) -> None:
+        self.saving.end_step(
+            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph
+        )
+        self.meter.end_step()
         self.clipper.end_step()
         self._fresh.clear()
         self._skip_flags.clear()
@@ -477,6 +508,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.clipper.abandon()
         self._skip_flags.clear()
         self.tracker.reset()
+        self.meter.forget()
         return updated
 
     def report(self) -> dict[str, Any]:
@@ -500,6 +532,9 @@ class SonarOptimizer(torch.optim.Optimizer):
             "updates_inserted": s.updates_inserted,
             "recompiles": s.recompiles,
             "fallbacks": list(s.fallbacks),
+            **self.saving.report(),
+            "updates_after_graph": self.meter.after_graph,
+            "expert_grad_bytes": expert_grad_bytes(self.meter, self.expert_layers),
             "last_step": dict(s.last_step),
             "step_in_progress": {
                 "updated": sorted(t.updated),
