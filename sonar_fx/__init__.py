@@ -8,6 +8,7 @@ from sonar_fx.errors import (
     InterruptedStepError,
     NonFiniteGradientError,
     ProcessGroupRequired,
+    SavingLostError,
     SonarUsageError,
 )
 from sonar_fx.experts.discovery import (
@@ -33,6 +34,7 @@ __all__ = [
     "OptimizerConfig",
     "ProcessGroupRequired",
     "SGDConfig",
+    "SavingLostError",
     "SonarOptimizer",
     "SonarUsageError",
     "UnboundExpertError",

@@ -19,10 +19,10 @@ import torch
 import sonar_fx
 import sonar_fx.compiled
 from sonar_fx.backend import make_sonar_backend
+from sonar_fx.errors import SavingLostError
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
-from sonar_fx.optim.errors import SavingLostError
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV, resolve_on_saving_lost
 
 from helpers import CFG, assert_same_weights, batches, weights_differ
