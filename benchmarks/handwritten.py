@@ -42,8 +42,13 @@ class _HandwrittenHooks(TrainingMethod):
 def handwritten_expert_hooks(model: nn.Module, cfg: AdamWConfig) -> TrainingMethod:
     """`model` trained by the tutorial's hooks on its expert tensors (eager): see the module docstring."""
     split = ExpertSet.discover(model).split(model)
-    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
-    per_tensor = {p: torch.optim.AdamW([p], **hyper) for p in split.expert_params}
+
+    def adamw(params: list[nn.Parameter]) -> torch.optim.AdamW:
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
+        )
+
+    per_tensor: dict[Tensor, torch.optim.AdamW] = {p: adamw([p]) for p in split.expert_params}
 
     def optimizer_hook(parameter: Tensor) -> None:
         per_tensor[parameter].step()
@@ -55,7 +60,7 @@ def handwritten_expert_hooks(model: nn.Module, cfg: AdamWConfig) -> TrainingMeth
         KIND,
         Execution(compiler="eager"),
         model,
-        torch.optim.AdamW(split.dense_params, **hyper),
+        adamw(split.dense_params),
         GradClip.of(KIND, cfg, split),
         hook_optimizers={id(p): o for p, o in per_tensor.items()},
     )

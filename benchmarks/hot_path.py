@@ -27,6 +27,7 @@ from benchmarks.arms import Arm, HandwrittenHooksArm
 from benchmarks.common import Goal, Table
 from benchmarks.handwritten import METHOD as HANDWRITTEN
 from benchmarks.workload import SHAPES, Workload
+from sonar_fx.api import Compiler
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
 from sonar_fx.memory import native_stderr_silenced
@@ -57,7 +58,7 @@ class Config:
     shape: str = "olmoe-cpu"
     workload: Workload = field(default_factory=Workload)
     modes: tuple[str, ...] = ("compiled", "eager")
-    compiler: str = "inductor"
+    compiler: Compiler = "inductor"
     warmup: int = 2
     rounds: int = 11
     """Timed rounds, then as many profiled rounds."""
