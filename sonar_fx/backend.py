@@ -12,6 +12,11 @@ Distributed runs: when the owning optimizer's reduction asks for it (DDP), the p
 expert gradient in the graph; under DDP's optimizer, which compiles bucket-sized subgraphs from fake
 tensors, expert inputs are recognised through the fake mode's memo of the real parameters; an engine
 that reduces after the graph (FSDP2) keeps its experts out of the pass, for the hooks.
+The saving guard: each expert gradient a backward graph still returns after the pass (its hook would
+update it after the whole graph, saving nothing) is reported to its owner, which warns or raises, and
+the compiled function is wrapped so that the owner's meter sees those gradients alive together.
+Before the pass, an expert weight the partition did not save is handed to the backward graph
+(`save_expert_params`), so that its update can bind to it.
 """
 
 from __future__ import annotations
