@@ -198,7 +198,7 @@ def test_a_fault_under_reentrant_checkpointing_is_an_interrupted_step():
     one must not pass for the end of the step (the tracker waits for the backward that began at the
     model's outputs), or the next backward would be taken for gradient accumulation."""
     model = _model("eager")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     model.train()
     fault = {"on": False}
 

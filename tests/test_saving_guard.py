@@ -189,6 +189,7 @@ def test_a_replaced_forward_warns_once_that_nothing_was_compiled():
 # ------------------------------------------------------------- tensors that no param group holds
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # from PEFT
 def test_step_warns_once_about_trainable_tensors_no_group_holds():
     peft = pytest.importorskip("peft")
     model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler="eager")
