@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sonar-fx-installed
 
-.PHONY: demo test lint bench bench-quick bench-gpu clean
+.PHONY: demo test test-fast lint docs bench bench-quick bench-gpu gpu-rehearsal clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,13 +22,29 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy sonar_fx passes benchmarks
 
+# The reference site (docs/, mkdocs.yml): --strict, so a broken link or a missing page fails.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --quiet
+
+# The suite on every core (pytest-xdist; tests/conftest.py gives each worker one torch thread, keeps
+# a module's shared compiled fixtures on one worker and starts the longest modules first).
+# `make test` runs every tier; `make test-fast`, the inner loop, leaves out the four markers
+# (pyproject.toml): inductor compiles and >10 s tests, multi-process, child-process and GPU tests.
+PYTEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+FAST := not slow and not multiprocess and not subprocess and not gpu
+
 # pytest exits 5 when it collects no test: report it plainly rather than fail the build on it.
-test: lint
-	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+test: lint docs
+	@rc=0; $(PYTEST) $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
+test-fast: $(STAMP)
+	@rc=0; $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
-# step times swing), then the README "Results" section is regenerated from their JSON.
+# step times swing), then docs/results.md and the README's headline are regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
 BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers endurance
 bench: $(STAMP)
@@ -45,5 +61,9 @@ bench-quick: $(STAMP)
 bench-gpu:
 	bash scripts/gpu_check.sh
 
+# The same stages on this machine's CPU, tiny shapes (docs/gpu-check.md); tests/test_gpu_check.py runs it.
+gpu-rehearsal: $(STAMP)
+	PYTHON=$(PY) bash scripts/gpu_check.sh --rehearse
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache  # results/ is committed: the README quotes it
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build/site  # results/ is committed: the docs quote it

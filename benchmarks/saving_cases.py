@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ def sft(steps: int, *, backbone_compiled: bool) -> tuple[SonarOptimizer, nn.Modu
     trainer_cls = SonarSFTTrainer if backbone_compiled else Before
     data = Dataset.from_list(prompt_completion(synthetic_records(12)))
     trainer_cls(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer()).train()
-    return model.sonar, model
+    return cast(SonarOptimizer, model.sonar), model
 
 
 CASES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {

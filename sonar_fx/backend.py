@@ -47,6 +47,8 @@ from sonar_fx.runtime import registry
 from sonar_fx.runtime.meter import ExpertGradMeter, meter_returned_grads
 
 BackendCompiler = Literal["inductor", "aot_eager"]
+Options = dict[str, Any] | None
+"""`torch.compile(options=...)`: inductor settings by name."""
 BackwardPass = Callable[..., GraphModule]
 """`(bw_gm, *, fw_gm, expert_inputs) -> bw_gm`: the production pass, or an ablation in tests."""
 
@@ -109,7 +111,7 @@ class SonarPartitioner(CustomPartitionerFn):
 @functools.cache
 def sonar_backend(
     compiler: BackendCompiler = "inductor", *, fallback: bool = True
-) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
+) -> Callable[..., Callable[..., Any]]:
     """The dynamo backend for `compiler`. One object per setting, so every model compiled with the same
     setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time)."""
     return make_sonar_backend(compiler, fallback=fallback)
@@ -121,13 +123,16 @@ def make_sonar_backend(
     fallback: bool = True,
     bw_pass: BackwardPass = expert_update_pass,
     save_params: bool = True,
-) -> Callable[[GraphModule, list[Any]], Callable[..., Any]]:
+) -> Callable[..., Callable[..., Any]]:
     """A new dynamo backend; `bw_pass` replaces the backward pass and `save_params=False` drops the
     weight hand-over (ablations in tests and benchmarks)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
-    def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def backend(
+        gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: Options = None
+    ) -> Callable[..., Any]:
+        """`mode` and `options` are `torch.compile`'s, which hands them to a callable backend."""
         owners = expert_owners(example_inputs)
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
@@ -137,7 +142,8 @@ def make_sonar_backend(
         partitioner = SonarPartitioner(owners, bw_pass=bw_pass, reduce=reduce, save_params=save_params)
         cache_hits = _aot_cache_hits()
         try:
-            compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None)
+            patches = _inductor_patches(compiler, mode, options)
+            compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None, patches)
         except Exception as err:
             if not fallback or optimizer is None:
                 raise
@@ -206,8 +212,23 @@ def graph_reduce(optimizer: SonarOptimizer | None) -> GraphReduce | None:
     return GraphReduce(reduction.group_name, reduction.world_size)
 
 
+def _inductor_patches(compiler: str, mode: str | None, options: Options) -> dict[str, Any]:
+    """Inductor's settings for `torch.compile(mode=..., options=...)`, as torch's own inductor backend
+    derives them (`mode="reduce-overhead"`: CUDA graphs; the update op keeps itself out of them)."""
+    if compiler != "inductor":
+        if (mode or "default") != "default" or options:
+            raise ValueError(f"mode={mode!r} and options= need compiler='inductor' (got {compiler!r})")
+        return {}
+    patches = dict(torch._inductor.list_mode_options(mode)) if (mode or "default") != "default" else {}
+    return {**patches, **(options or {})}
+
+
 def _compile(
-    gm: GraphModule, example_inputs: list[Any], compiler: str, partitioner: SonarPartitioner | None
+    gm: GraphModule,
+    example_inputs: list[Any],
+    compiler: str,
+    partitioner: SonarPartitioner | None,
+    patches: dict[str, Any],
 ) -> Callable[..., Any]:
     if compiler == "aot_eager":
         partition_fn = partitioner or min_cut_rematerialization_partition
@@ -224,7 +245,7 @@ def _compile(
         inductor_config.patch(custom_partitioner_fn=partitioner),
         torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
     ):
-        return cast(Callable[..., Any], compile_fx(gm, example_inputs))
+        return cast(Callable[..., Any], compile_fx(gm, example_inputs, config_patches=patches))
 
 
 def _aot_cache_hits() -> int:
@@ -259,6 +280,8 @@ def record_fallback(optimizer: SonarOptimizer, err: Exception) -> str:
 
 
 @torch._dynamo.register_backend(name="sonar")
-def sonar(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+def sonar(
+    gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: Options = None
+) -> Callable[..., Any]:
     """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
-    return sonar_backend("inductor")(gm, example_inputs)
+    return sonar_backend("inductor")(gm, example_inputs, mode=mode, options=options)

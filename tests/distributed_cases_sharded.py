@@ -52,19 +52,21 @@ def fsdp2_cases(rank: int) -> dict[str, Any]:
     for key, dtype in DTYPES.items():
         model = fsdp_sonar(rank, dtype)
         out[f"eager/{key}"] = outcome(model, fsdp_standard(rank, dtype), model.sonar)
+        if dtype == torch.float32:
+            uninterrupted = model  # what the resume below must end equal to
     torch._dynamo.reset()
     twin = fsdp_standard(rank, torch.bfloat16, "aot_eager")
     torch._dynamo.reset()
     model = fsdp_sonar(rank, torch.bfloat16, "aot_eager")
     out["per_block/bf16"] = outcome(model, twin, model.sonar)
-    out["resume"] = _dcp_resume(rank)
+    out["resume"] = _dcp_resume(rank, uninterrupted)
     out["shared_group_warning"] = _shared_group_warning()
     return out
 
 
-def _dcp_resume(rank: int) -> dict[str, Any]:
-    """2 steps, save with torch.distributed.checkpoint, load into a fresh model, 1 more step."""
-    uninterrupted = fsdp_sonar(rank, torch.float32)
+def _dcp_resume(rank: int, uninterrupted: nn.Module) -> dict[str, Any]:
+    """2 steps, save with torch.distributed.checkpoint, load into a fresh model, 1 more step: equal to
+    `uninterrupted` (the same fp32 Sonar run, all `STEPS` at once)."""
     first = fsdp_sonar(rank, torch.float32, steps=2)
     folder = [tempfile.mkdtemp(prefix="sonar-dcp-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)

@@ -4,7 +4,9 @@
 `module` (default: this one) under a gloo group, and waits at most `timeout_s`: a process that hangs
 (a collective some rank never joins) is killed and the test fails with a TimeoutError, so no test
 process outlives its test. A worker writes what it saw to `<out>/rank<r>.json`; the test reads the
-files after every process ended (an exception in a worker fails `run`).
+files after every process ended (an exception in a worker fails `run`). The ranks meet through a fresh
+file in `out` (a FileStore), not a TCP port, so runs started at once by other tests or other suites on
+the machine never collide.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import os
-import socket
 import time
 from pathlib import Path
 
@@ -21,23 +21,18 @@ import torch
 import torch.distributed as dist
 
 WORLD = 2
-TIMEOUT_S = 300
+TIMEOUT_S = 900
+"""Generous: it only stops a hang, and a shared machine under load runs these many times slower (at load
+13 on two cores one DDP inductor case took 1,554 s; both together took 247 s on a quiet machine)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(
-    fn_name: str, out: str, port: int | None = None, *, world: int = WORLD, timeout_s: int = TIMEOUT_S
-) -> None:
+def run(fn_name: str, out: str, *, world: int = WORLD, timeout_s: int = TIMEOUT_S) -> None:
     """Run `fn_name(rank)` on `world` gloo processes; raise if one fails or all take over `timeout_s`."""
-    port = port or free_port()
+    store = Path(out).resolve() / f".rendezvous-{time.monotonic_ns()}"  # fresh for every run
     context = torch.multiprocessing.start_processes(
-        _entry, args=(fn_name, out, port, world, timeout_s), nprocs=world, join=False, start_method="spawn"
-    )
+        _entry, args=(fn_name, out, str(store), world, timeout_s), nprocs=world, join=False,
+        start_method="spawn",
+    )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=2):
         if time.monotonic() > deadline:
@@ -53,11 +48,12 @@ def results(out: str, world: int = WORLD) -> list[dict]:
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _entry(rank: int, fn_name: str, out: str, port: int, world: int, timeout_s: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, fn_name: str, out: str, store: str, world: int, timeout_s: int) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
+    )
     module_name, _, name = fn_name.rpartition(":")
     fn = getattr(importlib.import_module(module_name or __name__), name)
     try:

@@ -1,7 +1,8 @@
 """Every bad input the command line knows exits 2 before training, with a message naming the flag,
-file, line or key, and the README's table of them is this file's `CASES`, so it cannot drift.
+file, line or key, and the docs' table of them (docs/failures.md) is this file's `CASES`, so it cannot
+drift.
 
-Regenerate the README table after changing `CASES`: python tests/test_bad_input.py --write-readme
+Regenerate the docs table after changing `CASES`: python tests/test_bad_input.py --write-docs
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from sonar_fx.cli import main
 from helpers import flip_a_byte_of_tensor_data
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+DOCS = REPO / "docs" / "failures.md"
 BEGIN, END = "<!-- bad-input-table: begin (tests/test_bad_input.py) -->", "<!-- bad-input-table: end -->"
 BASE = ["--model", "tiny-reference", "--compiler", "eager", "--train-size", "8", "--held-out", "4",
         "--steps", "2", "--no-progress"]  # fmt: skip
 SHOWN = {"{out}": "OUT", "{file}": "FILE", "{dir}": "DIR"}
-"""Placeholders of `Case.flags` and `Case.expect`, as the README shows them."""
+"""Placeholders of `Case.flags` and `Case.expect`, as the docs show them."""
 
 
 def _write(text: str) -> Callable[[Path], None]:
@@ -50,7 +51,7 @@ RECORD = json.dumps({"instruction": "Add 1 and 2.", "output": "3"})
 @dataclass(frozen=True)
 class Case:
     input: str
-    """What the user did, for the README."""
+    """What the user did, for the docs."""
     flags: tuple[str, ...]
     """After `sonar-fx finetune` (and the test's small, fast defaults), unless `command` says otherwise."""
     expect: str
@@ -160,13 +161,14 @@ def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys, case):
     assert _files(tmp_path) == before  # nothing written or changed
 
 
+@pytest.mark.subprocess
 def test_the_exit_status_reaches_the_shell(tmp_path):
     cmd = [sys.executable, "-m", "sonar_fx", "finetune", *BASE, "--out", str(tmp_path), "--device", "tpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2 and "--device 'tpu' is invalid" in result.stderr
 
 
-def readme_table() -> str:
+def docs_table() -> str:
     rows = ["| input | command | exit | the message says |", "|---|---|---|---|"]
     for case in CASES:
         command = " ".join(["sonar-fx", case.command, *(_shown(f) for f in case.flags)])
@@ -175,16 +177,16 @@ def readme_table() -> str:
     return "\n".join([BEGIN, *rows, END])
 
 
-def _readme_section(text: str) -> str:
+def _docs_section(text: str) -> str:
     return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
-def test_the_readme_table_is_this_files_cases():
-    assert _readme_section(README.read_text()) == readme_table(), (
-        "README's bad-input table is stale: run `python tests/test_bad_input.py --write-readme`"
+def test_the_docs_table_is_this_files_cases():
+    assert _docs_section(DOCS.read_text()) == docs_table(), (
+        "docs/failures.md's bad-input table is stale: run `python tests/test_bad_input.py --write-docs`"
     )
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--write-readme"]:
-    text = README.read_text()
-    README.write_text(text.replace(_readme_section(text), readme_table()))
+if __name__ == "__main__" and sys.argv[1:] == ["--write-docs"]:
+    text = DOCS.read_text()
+    DOCS.write_text(text.replace(_docs_section(text), docs_table()))

@@ -7,11 +7,12 @@ are never asserted here: they belong in the benchmark output, not in a pass/fail
 import json
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import common, compile_overhead, endurance, gpu, optimizers, readme
+from benchmarks import common, compile_overhead, endurance, optimizers, readme
 from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table
 from benchmarks.memory_timeline import PHASES, profile_step, timeline
@@ -136,32 +137,6 @@ def test_memory_timeline_shows_sonar_freeing_every_expert_gradient_in_backward(o
     assert held == pytest.approx(grads.total / 2**20, rel=0.05), (held, grads.total / 2**20)
 
 
-def test_gpu_script_smoke_mode_on_cpu(tmp_path, one_thread):
-    gpu.main(
-        ["--device", "cpu", "--tiny", "--compiler", "aot_eager", "--threads", "1", "--out", str(tmp_path)]
-    )
-    data = json.loads((tmp_path / "gpu_smoke" / "results.json").read_text())
-    records = {r["arm"]: r for r in data["records"]}
-    assert set(records) == {
-        "standard · eager",
-        "standard_no_expert_clip · eager",
-        "sonar · eager hooks",
-        "sonar · compiled pass",
-    }
-    assert all("error" not in r for r in records.values()), records
-    cfg = data["config"]
-    steps = cfg["warmup"] + 1 + cfg["steps"]
-    tensors = expert_tensor_count(gpu.build(gpu.Config(device="cpu", tiny=True)))
-    # Every step of the pass arm updated every expert tensor in the graph, none by the hook fallback.
-    assert records["sonar · compiled pass"]["updates_in_graph"] == steps * tensors
-    assert records["sonar · compiled pass"]["updates_by_hook"] == 0
-    assert records["sonar · eager hooks"]["updates_by_hook"] == steps * tensors
-    assert all(len(r["step_s"]) == cfg["steps"] and r["peak_step_bytes"] > 0 for r in records.values())
-    assert data["env"]["torch"] == torch.__version__ and data["command"].startswith(
-        "python -m benchmarks.gpu"
-    )
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Cfg:
     shape: str = "olmoe-cpu"
@@ -190,36 +165,56 @@ def test_start_picks_quick_applies_overrides_and_finish_writes_them(tmp_path, ca
 
 
 def _fake_report(tmp_path, value: str, script: str = "methods") -> None:
+    headers = ["arm", "Δ peak", "saved / predicted MiB", "× standard", "step ms"]
+    rows = [
+        ["standard · compiled", "+0.0%", "-", "1.00x", "9"],
+        ["sonar · compiled pass", value, "-", "0.70x", "8"],
+    ]
     report = Report(
         script=script,
         command=f"python -m benchmarks.{script} --quick",
         env=Environment.now(),
         config={},
-        tables=[Table(title="T", headers=["arm", "peak MiB"], rows=[["sonar", value]], note="a note")],
+        tables=[Table(title="micro: a tiny shape", headers=headers, rows=rows, note="a note")],
         goals=[Goal(name="g", target="t", measured=value, met=True)],
     )
     common.emit(report, tmp_path / "results" / script)
 
 
-def test_readme_section_is_generated_between_markers_only(tmp_path):
+def test_docs_results_and_readme_headline_are_generated_between_markers_only(tmp_path):
     _fake_report(tmp_path, "12.5")
     _fake_report(tmp_path, "77.7", script="gpu_smoke")  # a smoke run is never shown as a result
-    path = tmp_path / "README.md"
-    path.write_text("# project\n\nhand-written text\n")
-    args = ["--results", str(tmp_path / "results"), "--readme", str(path)]
+    docs, readme_md = tmp_path / "results.md", tmp_path / "README.md"
+    docs.write_text("# Results\n\nhand-written text\n")
+    readme_md.write_text("# project\n\nhand-written text\n")
+    args = ["--results", str(tmp_path / "results"), "--docs", str(docs), "--readme", str(readme_md)]
     assert readme.main(args) == 0
-    text = path.read_text()
-    assert text.startswith("# project\n\nhand-written text\n")  # untouched outside the markers
-    assert readme.START in text and readme.END in text
+    text = docs.read_text()
+    assert text.startswith("# Results\n\nhand-written text\n")  # untouched outside the markers
     section = text.split(readme.START)[1].split(readme.END)[0]
     assert "12.5" in section and "python -m benchmarks.methods --quick" in section
-    assert "| sonar" in section  # a Markdown table
+    assert "| sonar" in section and "| standard" in section  # every row of a Markdown table
     assert "77.7" not in section and "Not run yet" in section  # the GPU script has no real results
+    text = readme_md.read_text()
+    assert text.startswith("# project\n\nhand-written text\n")
+    headline = text.split(readme.HEADLINE_START)[1].split(readme.HEADLINE_END)[0]
+    assert "| micro | sonar · compiled pass | 12.5 | - | 0.70x |" in " ".join(headline.split())
+    assert "standard · compiled" not in headline and "step ms" not in headline  # the chosen cells only
+    assert "python -m benchmarks.methods --quick" in headline
     assert readme.main([*args, "--check"]) == 0  # idempotent: a second run changes nothing
-    _fake_report(tmp_path, "99.9")  # new measurements: the README is now stale
+    _fake_report(tmp_path, "99.9")  # new measurements: both files are now stale
     assert readme.main([*args, "--check"]) == 1
     readme.main(args)
-    assert "99.9" in path.read_text() and "12.5" not in path.read_text()
+    for path in (docs, readme_md):
+        assert "99.9" in path.read_text() and "12.5" not in path.read_text()
+
+
+def test_the_docs_results_and_readme_headline_are_current():
+    """docs/results.md and the README's headline are what `python -m benchmarks.readme` makes of
+    results/*/results.json: regenerate them after a benchmark run."""
+    repo = Path(__file__).resolve().parents[1]
+    paths = {"--results": "results", "--docs": "docs/results.md", "--readme": "README.md"}
+    assert readme.main(["--check", *(a for k, v in paths.items() for a in (k, str(repo / v)))]) == 0
 
 
 def test_replace_between_markers_keeps_the_rest():
@@ -227,6 +222,7 @@ def test_replace_between_markers_keeps_the_rest():
     assert readme.replace_between_markers(text, "new") == f"a\n{readme.START}\nnew\n{readme.END}\nb\n"
 
 
+@pytest.mark.slow
 def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_thread):
     endurance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "endurance" / "results.json").read_text())
@@ -243,6 +239,7 @@ def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_th
     assert (tmp_path / "endurance" / "endurance.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_endurance_sees_a_recompile_after_warm_up(one_thread):
     # Negative control: a new sequence length after warm-up must show up as compiles, not as zero.
     cfg = endurance.Config(steps=8, warmup=3, seq=16)
@@ -267,6 +264,7 @@ def test_regional_rows_say_not_available_without_the_option(monkeypatch):
     assert rendered.count("not available") == 4
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not compile_overhead.regional_available(), reason="sonar_fx.compile has no regional=")
 def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread):
     cfg = compile_overhead.Config(

@@ -75,6 +75,7 @@ def test_a_split_larger_than_the_file_names_the_flags(tmp_path, capsys):
     assert f"{data}: split needs 14 records" in err and "--train-size, --held-out" in err
 
 
+@pytest.mark.subprocess
 def test_python_dash_m_runs_the_cli():
     result = subprocess.run(
         [sys.executable, "-m", "sonar_fx", "finetune", "--help"], capture_output=True, text=True, check=True
@@ -83,6 +84,7 @@ def test_python_dash_m_runs_the_cli():
         assert flag in result.stdout
 
 
+@pytest.mark.slow
 def test_demo_writes_table_json_chart_and_the_bitwise_verdict(tmp_path, capsys):
     from sonar_fx.demo import DemoConfig, run_demo
 

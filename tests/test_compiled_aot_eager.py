@@ -80,6 +80,7 @@ def _disable_layer_1_experts(model):
     experts.forward = torch.compiler.disable(experts.forward)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("edit", "paths"),
     [

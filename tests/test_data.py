@@ -195,6 +195,7 @@ _HASH_SNIPPET = (
 )
 
 
+@pytest.mark.subprocess
 def test_data_hash_stable_and_sensitive() -> None:
     tok = TOK
     exs = encode_records(synthetic_records(30, 1), tok).examples

@@ -13,11 +13,12 @@ import pytest
 
 import distributed_worker
 
-EXPERTS = 4  # 2 layers x (gate_up, down) in tiny-olmoe
+pytestmark = pytest.mark.multiprocess
+EXPERTS = 4  # 2 layers x (gate_up, down) in tiny-olmoe and tiny-reference
 UPDATES = 3 * EXPERTS  # 3 steps
 
 
-def spawn(fn: str, tmp_path, world: int = 2, timeout_s: int = 300) -> list[dict]:
+def spawn(fn: str, tmp_path, world: int = 2, timeout_s: int = distributed_worker.TIMEOUT_S) -> list[dict]:
     distributed_worker.run(fn, str(tmp_path), world=world, timeout_s=timeout_s)
     return distributed_worker.results(str(tmp_path), world)
 
@@ -70,12 +71,13 @@ def test_ddp_aot_eager_one_graph_and_ddp_optimizer_subgraphs(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_inductor_one_graph_and_ddp_optimizer_subgraphs(tmp_path):
-    ranks = spawn("distributed_cases:ddp_inductor", tmp_path, timeout_s=900)
-    for label in ("split/bf16", "one_graph/fp32"):
-        runs = [r[label] for r in ranks]
-        assert_exact(runs, in_graph=UPDATES)
-        assert all(run["all_reduces"] == EXPERTS and run["reduced_here"] == 0 for run in runs)
+@pytest.mark.parametrize(("case", "label"), [("one_graph", "one_graph/fp32"), ("split", "split/bf16")])
+def test_ddp_inductor_one_graph_and_ddp_optimizer_subgraphs(tmp_path, case, label):
+    ranks = spawn(f"distributed_cases:ddp_inductor_{case}", tmp_path, timeout_s=3000)
+    runs = [r[label] for r in ranks]
+    assert_exact(runs, in_graph=UPDATES)
+    assert all(run["all_reduces"] == EXPERTS and run["reduced_here"] == 0 for run in runs)
+    assert all((run["graphs"] > 1) == (case == "split") for run in runs), "one graph, or DDP's subgraphs"
 
 
 def test_fsdp2_eager_per_block_compiled_and_dcp_resume(tmp_path):
@@ -115,7 +117,7 @@ def test_graph_compiled_with_all_reduce_is_refused_by_an_undistributed_model(tmp
 
 def test_world_size_4_is_close_to_ddp_and_ranks_agree_bitwise(tmp_path):
     """Per-tensor gloo all-reduce rounds differently from DDP's bucketed one beyond 2 ranks."""
-    ranks = spawn("distributed_cases:ddp_world4", tmp_path, world=4, timeout_s=420)
+    ranks = spawn("distributed_cases:ddp_world4", tmp_path, world=4)
     assert len({r["digest"] for r in ranks}) == 1
     assert all(r["max_abs_diff"] < 1e-5 and r["by_hook"] == UPDATES for r in ranks)
 

@@ -17,14 +17,17 @@ from sonar_fx.trainer.config import TrainConfig, run_identity
 import distributed_worker
 
 
+@pytest.mark.multiprocess
+@pytest.mark.subprocess
 def test_torchrun_ddp_run_writes_once_with_the_world_size(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "sonar_fx",
-           "finetune", "--model", "tiny-reference", "--parallel", "ddp", "--compiler", "eager",
-           "--train-size", "8", "--held-out", "4", "--steps", "2", "--no-progress",
+    # --standalone: torchrun picks a free port itself (a fixed one collides with any other run at once).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "sonar_fx", "finetune", "--model", "tiny-reference", "--parallel", "ddp",
+           "--compiler", "eager", "--train-size", "8", "--held-out", "4", "--steps", "2", "--no-progress",
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("done: 2 steps on 2 ranks (ddp)") == 1  # rank 0 speaks for the run
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -34,8 +37,9 @@ def test_torchrun_ddp_run_writes_once_with_the_world_size(tmp_path):
     assert summary["sonar"]["updates_by_hook"] == 2 * 4
 
 
+@pytest.mark.multiprocess
 def test_stop_and_resume_is_exact_on_every_engine(tmp_path):
-    distributed_worker.run("distributed_cases_cli:resume_is_exact", str(tmp_path), timeout_s=600)
+    distributed_worker.run("distributed_cases_cli:resume_is_exact", str(tmp_path), timeout_s=1200)
     for rank, seen in enumerate(distributed_worker.results(str(tmp_path))):
         for engine in ("ddp", "fsdp2", "ep"):
             assert seen[engine]["codes"] == [0, 0, 0], (rank, engine)

@@ -45,6 +45,7 @@ def test_gpt_oss_biases_exact_either_way_and_the_policy_matters(expert_biases):
     assert any(n.endswith("_bias") and ".experts." in n for n in differing(sonar, twin))
 
 
+@pytest.mark.slow
 def test_gpt_oss_compiled_weights_in_graph_biases_exact_too():
     # A bias gradient comes from an index-put (a scatter of token rows), not a matmul. The backward
     # graph holds no alias of a bias (its forward gather saves only the indices), so the run-time
@@ -101,6 +102,7 @@ def _materialised(state):
     return model
 
 
+@pytest.mark.slow
 def test_meta_device_model_prepared_after_to_empty_and_load_trains_exactly():
     reference = build_family("olmoe", seed=0)
     state = {k: v.clone() for k, v in reference.state_dict().items()}

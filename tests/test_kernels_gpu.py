@@ -5,6 +5,10 @@ suite reports them as skipped, never as failed. The CPU suite checks the same cl
 interpreter and a sonic-moe stub; these check the real kernels. fp32 tolerances depend on the path:
 the project's Triton kernels multiply fp32 in IEEE (torch's TF32 switch is off by default), upstream
 ScatterMoE hard-codes TF32; sonic-moe has no fp32 path at all (bf16 only here).
+
+`--gpu-device cpu` (the rehearsal of scripts/gpu_check.sh) runs this code on CPU: smaller shapes, fp32
+(Triton's interpreter has no bf16 dot), scattermoe interpreted; what it verifies is the test's own
+code, not the GPU kernels.
 """
 
 from __future__ import annotations
@@ -28,10 +32,7 @@ from sonar_fx.models import build_model
 
 from helpers import CFG, assert_same_weights, batches
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="triton is not installed")
 
 
@@ -62,13 +63,30 @@ def tolerance(backend: str, dtype: torch.dtype) -> dict[str, float]:
     return GPU_TOL[precision]
 
 
-def _compare(backend: str, dtype: torch.dtype, layout: ExpertLayout, monkeypatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    leaves, index_Tk = problem(layout, dtype, t=256, k=4, e=9, d=96, n=80)
-    leaves = [x.detach().cuda().requires_grad_() for x in leaves]
-    got = forward_backward(lambda *a: experts_forward(backend, *a, layout=layout), leaves, index_Tk.cuda())
+def on_device(device: torch.device, dtype: torch.dtype, monkeypatch) -> None:
+    """CUDA: compiled Triton kernels. CPU (the rehearsal): Triton interpreted, which computes fp32 only."""
+    if device.type == "cuda":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return
+    if dtype != torch.float32:
+        pytest.skip("Triton's interpreter computes fp32 only: this case runs on a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _compare(
+    backend: str, dtype: torch.dtype, layout: ExpertLayout, device: torch.device, monkeypatch
+) -> None:
+    on_device(device, dtype, monkeypatch)
+    shape = dict(t=256, k=4, e=9, d=96, n=80) if device.type == "cuda" else {}
+    leaves, index_Tk = problem(layout, dtype, **shape)
+    leaves = [x.detach().to(device).requires_grad_() for x in leaves]
+    got = forward_backward(
+        lambda *a: experts_forward(backend, *a, layout=layout), leaves, index_Tk.to(device)
+    )
     ref_leaves = [x.detach().float().requires_grad_() for x in leaves]
-    want = forward_backward(lambda *a: experts_forward_ref(*a, layout=layout), ref_leaves, index_Tk.cuda())
+    want = forward_backward(
+        lambda *a: experts_forward_ref(*a, layout=layout), ref_leaves, index_Tk.to(device)
+    )
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **tolerance(backend, dtype))
 
@@ -76,8 +94,8 @@ def _compare(backend: str, dtype: torch.dtype, layout: ExpertLayout, monkeypatch
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_scattermoe_gpu_matches_reference(dtype, layout, monkeypatch):
-    _compare("scattermoe", dtype, layout, monkeypatch)
+def test_scattermoe_gpu_matches_reference(dtype, layout, gpu_device, monkeypatch):
+    _compare("scattermoe", dtype, layout, gpu_device, monkeypatch)
 
 
 @needs_sonicmoe
@@ -85,8 +103,8 @@ def test_scattermoe_gpu_matches_reference(dtype, layout, monkeypatch):
     "layout",
     [ExpertLayout(), ExpertLayout(gate_up="interleaved"), ExpertLayout(activation="gelu_tanh")],
 )
-def test_sonicmoe_gpu_matches_reference(layout, monkeypatch):
-    _compare("sonicmoe", torch.bfloat16, layout, monkeypatch)
+def test_sonicmoe_gpu_matches_reference(layout, gpu_device, monkeypatch):
+    _compare("sonicmoe", torch.bfloat16, layout, gpu_device, monkeypatch)
 
 
 @needs_sonicmoe
@@ -97,14 +115,14 @@ def test_sonicmoe_gpu_refuses_fp32_before_any_kernel_runs():
         use_kernel_backend(model, "sonicmoe")
 
 
-def _trained(backend: str, method: str, compiler: str):
+def _trained(backend: str, method: str, compiler: str, device: torch.device, dtype: torch.dtype):
     torch._dynamo.reset()
-    with torch.device("cuda"):
-        model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0, attn_implementation="eager")
+    with torch.device(device):
+        model = build_model("tiny-olmoe", dtype=dtype, seed=0, attn_implementation="eager")
     use_kernel_backend(model, backend)
     run = build_method(method, model, CFG, compiler=compiler)
     for batch in batches(3):
-        run.train_step({k: v.cuda() for k, v in batch.items()})
+        run.train_step({k: v.to(device) for k, v in batch.items()})
     return model, run
 
 
@@ -118,10 +136,13 @@ def _trained(backend: str, method: str, compiler: str):
         pytest.param("sonicmoe", "inductor", marks=[needs_sonicmoe, pytest.mark.slow]),
     ],
 )
-def test_gpu_sonar_is_bitwise_standard_no_expert_clip_with_the_same_backend(backend, compiler, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    sonar, run = _trained(backend, "sonar", compiler)
-    twin, _ = _trained(backend, "standard_no_expert_clip", compiler)
+def test_gpu_sonar_is_bitwise_standard_no_expert_clip_with_the_same_backend(
+    backend, compiler, gpu_device, monkeypatch
+):
+    dtype = torch.bfloat16 if gpu_device.type == "cuda" else torch.float32
+    on_device(gpu_device, dtype, monkeypatch)
+    sonar, run = _trained(backend, "sonar", compiler, gpu_device, dtype)
+    twin, _ = _trained(backend, "standard_no_expert_clip", compiler, gpu_device, dtype)
     assert_same_weights(sonar, twin)
     if compiler != "eager":
         assert run.optimizer.report()["updates_by_hook"] == 0

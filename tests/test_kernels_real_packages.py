@@ -207,6 +207,7 @@ def test_erf_and_tanh_gelu_are_different_functions():
     assert 4e-4 < gap.item() < 5e-4
 
 
+@pytest.mark.subprocess
 @needs_triton
 def test_gpu_kernels_cpu_smoke_switches_the_interpreter_on_before_triton_loads(tmp_path):
     # A fresh process with the upstream stand-in whose kernel calls a triton.language helper: it runs

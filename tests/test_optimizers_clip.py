@@ -53,7 +53,7 @@ def one_compile():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["per_tensor", "global"])
 def test_clip_mode_equals_standard_training_clipping_the_same_way(mode, compiler, twins, one_compile):
     model, method = _train("sonar", CLIPS[mode], compiler=compiler)
@@ -146,7 +146,9 @@ def _lowbit_cfg(bits):
     return sonar_fx.AdamWConfig(**BASE, state_bits=bits)
 
 
-@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
+# torchao compiles its low-bit update with inductor: both sizes are inductor tests.
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [8, 4])
 def test_lowbit_states_equal_torchao_optimizer_and_resume_bitwise(bits):
     cfg = _lowbit_cfg(bits)
     twin, twin_method_ = _train("standard_no_expert_clip", cfg, dtype=torch.float32)

@@ -59,6 +59,7 @@ def _regional(name, dtype, compiler, data, **kwargs):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny-olmoe", "tiny-qwen3moe"])
 def test_regional_compile_shares_one_graph_and_is_exact(name, dtype):
@@ -94,6 +95,7 @@ def test_regional_per_microbatch_accumulation_equals_its_eager_twin():
     assert model.sonar.report()["updates_in_graph"] == 4 * 2 * LAYERS
 
 
+@pytest.mark.slow
 def test_block_frames_reused_after_graph_breaks_update_their_own_block():
     """Whole-model compile, but the loop over blocks graph-breaks: each block runs as its own frame and
     dynamo reuses the first block's graph for the others."""
@@ -131,6 +133,7 @@ def test_two_models_through_backend_sonar_each_train_only_themselves(determinist
     assert weights_differ(b, _model())
 
 
+@pytest.mark.slow
 def test_graph_reused_for_an_unprepared_model_raises_instead_of_updating_another():
     torch._dynamo.reset()
     a, stranger = _model(), _model()
@@ -141,6 +144,7 @@ def test_graph_reused_for_an_unprepared_model_raises_instead_of_updating_another
     assert all(torch.equal(v, a.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.slow
 def test_deep_copy_of_a_compiled_model_trains_itself_and_never_the_original():
     first, rest = batches(1), batches(3, seed=2)
     torch._dynamo.reset()

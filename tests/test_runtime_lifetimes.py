@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import socket
 import weakref
 
 import pytest
@@ -21,7 +20,7 @@ import distributed_worker
 from helpers import CFG, batches
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_deleting_model_and_optimizer_frees_both(compiler):
     torch._dynamo.reset()
     gc.collect()  # models of earlier tests that are already unreachable
@@ -128,17 +127,12 @@ def test_cache_key_covers_the_update_op_source(tmp_path, monkeypatch):
     assert SonarPartitioner({3, 7}).uuid() != before
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.multiprocess
 def test_plain_prepare_of_ddp_experts_is_refused_and_names_the_supported_call(tmp_path):
     """DDP itself is supported through sonar_fx.distributed.ddp (tests/test_distributed.py); a plain
     prepare of a DDP-wrapped model, or a DDP wrapper added after prepare, would update from local
     gradients and is refused."""
-    distributed_worker.run("ddp_guard", str(tmp_path), _free_port())
+    distributed_worker.run("ddp_guard", str(tmp_path))
     for seen in distributed_worker.results(str(tmp_path)):
         expert = "module.model.layers.0.mlp.experts.gate_up_proj"
         assert seen["prepare_ddp"].startswith(
