@@ -81,6 +81,19 @@ def inject_backward_fault(module: torch.nn.Module, when: Callable[[], bool]) -> 
     module.register_forward_hook(hook)
 
 
+def inject_backward_hook_fault(module: torch.nn.Module) -> dict[str, bool]:
+    """A backward pre-hook on `module` that raises while the returned switch's "on" is true (dynamo
+    compiles a module's backward hook into the graph; eager runs it between layers)."""
+    fault = {"on": False}
+
+    def pre_hook(mod, grad_output):
+        if fault["on"]:
+            raise RuntimeError("injected fault in a module backward hook")
+
+    module.register_full_backward_pre_hook(pre_hook)
+    return fault
+
+
 GRAPH_FAULT = {"on": False}
 """Switch of `inject_graph_fault`: read by the op at run time, so one compiled graph serves both."""
 

@@ -11,7 +11,7 @@ import torch
 import sonar_fx
 from sonar_fx.models import build_model
 
-from ablations import GRAPH_FAULT, inject_backward_fault, inject_graph_fault
+from ablations import GRAPH_FAULT, inject_backward_fault, inject_backward_hook_fault, inject_graph_fault
 from helpers import CFG, assert_same_weights, batches
 
 COMPILERS = ["eager", "aot_eager"]
@@ -163,14 +163,7 @@ def test_a_fault_inside_a_compiled_backward_is_an_interrupted_step_as_in_eager(w
     done, and the next backward and step() name them, as in eager."""
     model = _model("aot_eager")
     if where == "module backward hook":
-        fault = {"on": False}
-
-        def pre_hook(module, grad_output):
-            if fault["on"]:
-                raise RuntimeError("injected fault in a module backward hook")
-
-        model.model.layers[0].register_full_backward_pre_hook(pre_hook)
-        switch = fault
+        switch = inject_backward_hook_fault(model.model.layers[0])
     else:
         inject_graph_fault(model.model.layers[0])
         switch = GRAPH_FAULT
@@ -200,13 +193,7 @@ def test_a_fault_under_reentrant_checkpointing_is_an_interrupted_step():
     model = _model("eager")
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     model.train()
-    fault = {"on": False}
-
-    def pre_hook(module, grad_output):
-        if fault["on"]:
-            raise RuntimeError("injected fault in a module backward hook")
-
-    model.model.layers[0].register_full_backward_pre_hook(pre_hook)
+    fault = inject_backward_hook_fault(model.model.layers[0])
     b0, b1, b2 = batches(3)
     _step(model, b0)
     fault["on"] = True
