@@ -285,8 +285,10 @@ def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
     weights as the twin."""
     model = build_model("tiny-qwen3moe", seed=0)
     model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
-    with pytest.warns(UserWarning, match="sonar: compilation failed"):
+    with pytest.warns(UserWarning, match="sonar: compilation failed") as caught:
         model, trainer = sonar_run(model, "aot_eager", tmp_path, fullgraph=True)
+    uncompiled = [str(w.message) for w in caught if "no compiled graph computed" in str(w.message)]
+    assert len(uncompiled) == 1 and "Likely cause: compilation fell back to eager hooks (" in uncompiled[0]
     assert trainer._signature_columns == _columns(build_model("tiny-qwen3moe", seed=0), trainer.args)[0]
     assert model.sonar.report()["updates_by_hook"] == 3 * 4 and len(model.sonar.report()["fallbacks"]) == 1
     assert_same_weights(model, standard_run("tiny-qwen3moe"))

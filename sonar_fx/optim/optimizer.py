@@ -481,8 +481,9 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self.saving.end_step(
-            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph
-        )
+            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
+            fallbacks=self.stats.fallbacks,
+        )  # fmt: skip
         self.meter.end_step()
         self.clipper.end_step()
         self._fresh.clear()

@@ -108,19 +108,27 @@ class SavingGuard:
         """A compiled forward ran with grad enabled (its backward can update in-graph)."""
         self.compiled_forwards += 1
 
-    def end_step(self, *, compiler: str, paths: dict[str, str], after_graph: int) -> None:
+    def end_step(
+        self, *, compiler: str, paths: dict[str, str], after_graph: int, fallbacks: Sequence[str] = ()
+    ) -> None:
         """At `step()`: `paths` maps each expert tensor updated in this step to "graph" or "hook";
-        `after_graph`: the meter's count of hook updates of gradients a compiled graph returned."""
+        `after_graph`: the meter's count of hook updates of gradients a compiled graph returned;
+        `fallbacks`: the causes of compile fallbacks so far (`report()["fallbacks"]`)."""
         returned = after_graph > self._after_graph
         self._after_graph = after_graph
         uncompiled = compiler != "eager" and paths and "graph" not in paths.values() and not returned
         if uncompiled and not self._warned_uncompiled:
             self._warned_uncompiled = True
-            warnings.warn(self._uncompiled_message(compiler, len(paths)), stacklevel=4)
+            warnings.warn(self._uncompiled_message(compiler, len(paths), fallbacks), stacklevel=4)
         self.compiled_forwards = 0
 
-    def _uncompiled_message(self, compiler: str, updates: int) -> str:
-        if self.compiled_forwards == 0:
+    def _uncompiled_message(self, compiler: str, updates: int, fallbacks: Sequence[str]) -> str:
+        if fallbacks:
+            cause = (
+                f"compilation fell back to eager hooks ({fallbacks[-1]}; report()['fallbacks'] lists every "
+                "cause; fallback=False raises it instead)"
+            )
+        elif self.compiled_forwards == 0:
             cause = (
                 "no compiled forward ran: the model's forward was replaced or bypassed after "
                 "sonar_fx.compile (something set model.forward, as TRL's SFTTrainer does for its fused LM "
