@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.handwritten import METHOD as HANDWRITTEN
+from benchmarks.handwritten import handwritten_expert_hooks
 from sonar_fx.api import Compiler
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertSet
@@ -79,6 +81,24 @@ class Arm:
     def build(self, model: nn.Module, cfg: AdamWConfig) -> TrainingMethod:
         extra: dict[str, Any] = {"accumulation": self.accumulation} if self.kind.sonar else {}
         return build_method(self.method, model, cfg, execution=self.execution, **extra)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandwrittenHooksArm(Arm):
+    """The hand-written expert hooks of PyTorch's tutorial (`benchmarks.handwritten`): eager only, the
+    equal-work reference of Sonar's eager hooks. Not a `sonar_fx.methods` method."""
+
+    method: str = HANDWRITTEN
+
+    @property
+    def label(self) -> str:
+        return f"{HANDWRITTEN} · eager hooks"
+
+    def under(self, compiler: Compiler) -> Arm:
+        return self
+
+    def build(self, model: nn.Module, cfg: AdamWConfig) -> TrainingMethod:
+        return handwritten_expert_hooks(model, cfg)
 
 
 @dataclass(frozen=True, kw_only=True)

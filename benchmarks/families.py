@@ -7,15 +7,20 @@ with `torch.equal` on every parameter. A family whose twin fails the same way un
 `torch.compile` is marked "upstream" (the failure is not Sonar's). In the eager run a negative
 control trains standard AdamW with a global clip: it must differ from Sonar (the clip is active).
 Each family runs in its own process (a crash, a hang or a runaway compile stays contained) with a
-time limit. Table cells: "exact" and where the expert updates ran: "graph" (the compiled pass),
-"hooks" (graph breaks left the experts' gradients outside any graph), "fallback" (Sonar's compile
-fallback fired, with its cause).
+time limit. Each row is one family under one of transformers' experts implementations (`eager`: a
+loop over experts, `grouped_mm`: the default, `batched_mm`: gathered weights; "default" where the
+family has no switch). Table cells: "exact" and where the expert updates ran: "graph" (the compiled
+pass), "hooks" (graph breaks left the experts' gradients outside any graph), "after graph" (a graph
+returned them un-rewritten: no saving), "fallback" (Sonar's compile fallback fired, with its cause);
+then the saving: the measured peak of expert-gradient bytes alive at once in the last step, as a
+fraction of one layer's (Sonar's bound; above 1 means more than one layer was alive together).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -42,6 +47,8 @@ SCRIPT = "families"
 CFG = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, max_grad_norm=0.5)
 """lr large enough that weights visibly move in a few steps; a small clip so clipping is active."""
 COMPILERS = ("eager", "aot_eager", "inductor")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+"""transformers' experts implementations (`set_experts_implementation`)."""
 REPRESENTATIVE = (
     "olmoe",
     "qwen2_moe",
@@ -74,6 +81,8 @@ class Config:
     families: tuple[str, ...] = ()
     """Model types to run (empty: every MoE causal-LM type of the installed transformers)."""
     compilers: tuple[str, ...] = COMPILERS
+    implementations: tuple[str, ...] = IMPLEMENTATIONS
+    """Experts implementations to run each family with (where the family has the switch)."""
     inductor_families: tuple[str, ...] = INDUCTOR_FAMILIES
     """Families run under inductor when it is among `compilers` ("all": every family)."""
     steps: int = 3
@@ -118,11 +127,14 @@ def train(
     steps: int,
     *,
     overrides: Mapping[str, Any] | None = None,
+    implementation: str | None = None,
     **kwargs: Any,
 ) -> tuple[nn.Module, Any, str | None]:
-    """A fresh tiny model (config `overrides` applied) trained `steps` steps with `method`:
-    (model, method, error or None); `kwargs` go to `build_method`."""
+    """A fresh tiny model (config `overrides` applied, its experts implementation set when given)
+    trained `steps` steps with `method`: (model, method, error or None); `kwargs` go to `build_method`."""
     model = build_family(model_type, seed=0, **(overrides or {}))
+    if implementation is not None:
+        model.set_experts_implementation(implementation)  # type: ignore[operator]
     experts = explicit_experts(model_type, model)
     torch.manual_seed(0)  # the same random stream (dropout, router jitter) for every method
     m = None
@@ -190,21 +202,42 @@ def verdict(run: TwinRun) -> str:
     if run.differ:
         return f"DIFFERS ({len(run.differ)} tensors, e.g. {run.differ[0]})"
     r = run.report
-    where = [p for p, n in (("graph", r.get("updates_in_graph")), ("hooks", r.get("updates_by_hook"))) if n]
+    after = r.get("updates_after_graph", 0)
+    hooks = r.get("updates_by_hook", 0) - after
+    counts = (("graph", r.get("updates_in_graph")), ("hooks", hooks), ("after graph", after))
+    where = [p for p, n in counts if n]
     fallback = f"; fallback: {'; '.join(r['fallbacks'])}" if r.get("fallbacks") else ""
-    return f"exact ({'+'.join(where) or 'no updates'}{fallback})"
+    return f"exact ({'+'.join(where) or 'no updates'}{saving(r)}{fallback})"
+
+
+def saving(report: Mapping[str, Any]) -> str:
+    """The measured expert-gradient peak of the last step as a fraction of one layer's (Sonar's bound)."""
+    grads = report.get("expert_grad_bytes") or {}
+    peak, layer = grads.get("measured_peak"), grads.get("one_layer")
+    return f"; peak {peak / layer:.2f} layer" if peak and layer else ""
+
+
+def implementations_of(model_type: str, cfg: Config) -> list[str | None]:
+    """The experts implementations to run `model_type` with (None: the family has no switch)."""
+    model = build_family(model_type, device="meta")
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    return list(cfg.implementations) if callable(can_set) and can_set() else [None]
 
 
 def worker(model_type: str, cfg: Config) -> None:
     """Run one family in this process, printing one JSON record per line (read by `run_family`)."""
     common.setup(argparse.Namespace(threads=torch.get_num_threads()))
     _emit({"family": model_type, "discovery": discovery_summary(model_type)})
-    for compiler in cfg.compilers:  # the parent already dropped inductor where not asked for
+    implementations = implementations_of(model_type, cfg)
+    for implementation, compiler in itertools.product(implementations, cfg.compilers):
+        # (the parent already dropped inductor where not asked for)
         start = time.perf_counter()
-        run = run_twins(model_type, compiler, steps=cfg.steps, control=compiler == "eager")
+        control = compiler == "eager" and implementation in (None, implementations[0])
+        run = run_twins(model_type, compiler, steps=cfg.steps, control=control, implementation=implementation)
         _emit(
             {
                 "family": model_type,
+                "implementation": implementation or "default",
                 "compiler": compiler,
                 "verdict": verdict(run),
                 "exact": not (run.differ or run.sonar_error or run.twin_error),
@@ -231,7 +264,7 @@ def run_family(model_type: str, cfg: Config, threads: int) -> list[dict[str, Any
     """`worker` in a child process; records it printed, and one for a crash or a timeout."""
     cmd = [sys.executable, "-m", "benchmarks.families", "--worker", model_type, "--steps", str(cfg.steps)]
     compilers = _compilers_for(model_type, cfg)
-    cmd += ["--compiler", *compilers, "--threads", str(threads)]
+    cmd += ["--compiler", *compilers, "--implementation", *cfg.implementations, "--threads", str(threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s, env=env)
@@ -239,12 +272,14 @@ def run_family(model_type: str, cfg: Config, threads: int) -> list[dict[str, Any
     except subprocess.TimeoutExpired as exc:
         out, err, rc = _text(exc.stdout), _text(exc.stderr), None
     records = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RECORD ")]
-    ran = {r.get("compiler") for r in records}
-    for compiler in compilers:
-        if compiler not in ran:
-            why = f"timeout after {cfg.timeout_s}s" if rc is None else f"process exited {rc}: {err[-300:]}"
-            records.append({"family": model_type, "compiler": compiler, "verdict": why, "exact": False})
-            break  # the compilers after it never started
+    if rc != 0:  # a crash or a timeout: the row it was on says what stopped it (None: timed out)
+        ran = [r for r in records if "compiler" in r]
+        why = f"timeout after {cfg.timeout_s}s" if rc is None else f"process exited {rc}: {err[-300:]}"
+        implementation = ran[-1].get("implementation", "default") if ran else "default"
+        records.append(
+            {"family": model_type, "implementation": implementation, "compiler": "(next)",
+             "verdict": why, "exact": False}
+        )  # fmt: skip
     return records
 
 
@@ -253,27 +288,33 @@ def _text(data: bytes | str | None) -> str:
 
 
 def table(records: list[dict[str, Any]], compilers: tuple[str, ...]) -> Table:
-    by_family: dict[str, dict[str, Any]] = {}
+    discovery = {r["family"]: r["discovery"] for r in records if "discovery" in r}
+    by_row: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
-        row = by_family.setdefault(r["family"], {})
-        row[r.get("compiler", "discovery")] = r
+        if "compiler" in r:
+            by_row.setdefault((r["family"], r.get("implementation", "default")), {})[r["compiler"]] = r
     rows = []
-    for family, row in sorted(by_family.items()):
-        d = row.get("discovery", {}).get("discovery", {})
+    for (family, implementation), row in sorted(by_row.items()):
         control = {True: "yes", False: "NO", None: "-"}[row.get("eager", {}).get("clip_control_differs")]
         cells = [_short(row.get(c, {}).get("verdict", "not run")) for c in compilers]
-        rows.append([family, _found(d), control, *cells])
+        broken = row.get("(next)", {}).get("verdict")
+        if broken:
+            cells[-1] = _short(f"{cells[-1]}; then {broken}")
+        rows.append([family, implementation, _found(discovery.get(family, {})), control, *cells])
     if not rows:
-        rows.append(["(none)", "", "", *["" for _ in compilers]])
+        rows.append(["(none)", "", "", "", *["" for _ in compilers]])
     note = (
+        "experts impl: transformers' experts implementation (default: the family has no switch). "
         "found: what discovery takes per layer (layout, tensors, E); `experts=` when the family needs "
         "them listed. clip matters: standard AdamW with a global clip differs from Sonar (eager), so the "
         "clip is active and exactness has teeth (NO: the tiny model's gradient norm stays under the "
         "clip). Cells: Sonar vs standard_no_expert_clip after the run's steps, torch.equal on every "
-        "parameter, and where the expert updates ran; upstream: plain torch.compile (the twin) fails "
-        "the same way. The full error of each cell is in results.json."
+        "parameter, and where the expert updates ran (after graph: returned by the graph, no saving); "
+        "peak: expert-gradient bytes alive at once in the last step (measured) over one layer's; "
+        "upstream: plain torch.compile (the twin) fails the same way. The full error of each cell is in "
+        "results.json."
     )
-    headers = ["model type", "found", "clip matters", *compilers]
+    headers = ["model type", "experts impl", "found", "clip matters", *compilers]
     return Table(title="MoE families", headers=headers, rows=rows, note=note)
 
 
@@ -303,14 +344,21 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--worker", required=True)
         p.add_argument("--steps", type=int, default=Config.steps)
         p.add_argument("--compiler", nargs="+", default=list(COMPILERS))
+        p.add_argument("--implementation", nargs="+", default=list(IMPLEMENTATIONS))
         p.add_argument("--threads", type=int, default=None)
         args = p.parse_args(argv)
         if args.threads:
             torch.set_num_threads(args.threads)
-        worker(args.worker, Config(compilers=tuple(args.compiler), steps=args.steps))
+        cfg = Config(
+            compilers=tuple(args.compiler), implementations=tuple(args.implementation), steps=args.steps
+        )
+        worker(args.worker, cfg)
         return
     families = Override(field="families", choices=moe_model_types(), help="model types to run", many=True)
     compilers = Override(field="compilers", choices=COMPILERS, help="compilers to run", many=True)
+    implementations = Override(
+        field="implementations", choices=IMPLEMENTATIONS, help="experts implementations to run", many=True
+    )
     inductor = Override(
         field="inductor_families", choices=("all", *moe_model_types()), many=True,
         help="families also compiled with inductor (default: a representative set; 'all': every family)",
@@ -321,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     # deterministic across threads, so even plain training would differ from itself.
     argv = argv if "--threads" in argv else [*argv, "--threads", "1"]
     inv = common.start(
-        SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[families, compilers, inductor]
+        SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
+        overrides=[families, compilers, implementations, inductor],
     )  # fmt: skip
     cfg, partial = inv.cfg, inv.out / PARTIAL
     records = _read_partial(partial) if resume else []

@@ -4,7 +4,8 @@ Input: the forward and backward graphs of one partition and `expert_inputs` (the
 indices that are expert parameters; the backend finds them by identity among its example inputs).
 The backward graph returns one output per forward input, in order. For each expert output this
 walks back through views to the producing node, classifies it, and finds the backward-graph nodes
-that alias the parameter (the saved weight and its saved views, by fake-tensor storage identity).
+that alias the parameter (the saved weight and its saved views: saved forward values reached from the
+parameter through views, sharing its fake storage, and the views taken of them in backward).
 Analysis only: it never changes a graph.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from sonar_fx.passes.graph_utils import is_view, shares_storage, storage_of, view_closure
+from sonar_fx.passes.graph_utils import is_view, saved_aliases, view_closure, view_root
 
 aten = torch.ops.aten
 
@@ -57,10 +58,22 @@ def find_expert_grads(
         grad = outputs[index]
         if not isinstance(grad, Node):
             continue  # no gradient for this input in this graph
-        producer = _walk_back_views(grad)
-        aliases = _param_aliases(bw_gm, primals[index])
+        producer = view_root(grad)
+        aliases = tuple(view_closure(saved_aliases(fw_gm, bw_gm, primals[index])))
         readers = tuple(u for a in aliases for u in a.users if not is_view(u) and u.op != "output")
         found.append(ExpertGrad(index, grad, producer, classify(producer), aliases, readers))
+    return found
+
+
+def returned_expert_grads(bw_gm: GraphModule, expert_inputs: Collection[int]) -> list[tuple[int, str]]:
+    """(input index, producer kind) of each expert gradient `bw_gm` still returns as an output: what
+    a pass left for the hooks, to run after the graph returns."""
+    outputs = _outputs(bw_gm)
+    found = []
+    for index in sorted(i for i in expert_inputs if i < len(outputs)):
+        grad = outputs[index]
+        if isinstance(grad, Node):
+            found.append((index, classify(view_root(grad))))
     return found
 
 
@@ -76,6 +89,8 @@ def classify(producer: Node) -> str:
         if isinstance(inner, torch._ops.HigherOrderOperator) and "auto_functionalized" in inner.name():
             op = producer.args[0].args[0]
             return f"auto_functionalized:{getattr(op, '_name', op)}"
+        if isinstance(inner, torch._ops.HigherOrderOperator):
+            return f"hop:{inner.name()}"  # e.g. the backward of a nested compile region (invoke_subgraph)
         if isinstance(inner, torch._ops.OpOverload):
             return inner._schema.name
     if isinstance(target, torch._ops.OpOverload):
@@ -88,20 +103,3 @@ def classify(producer: Node) -> str:
 def _outputs(gm: GraphModule) -> list[object]:
     (output,) = gm.graph.find_nodes(op="output")
     return list(output.args[0])
-
-
-def _walk_back_views(node: Node) -> Node:
-    while is_view(node):
-        parent = node.args[0]
-        assert isinstance(parent, Node)
-        node = parent
-    return node
-
-
-def _param_aliases(bw_gm: GraphModule, primal: Node) -> tuple[Node, ...]:
-    """Backward placeholders sharing the primal's storage, and every view taken of them."""
-    storage = storage_of(primal)
-    if storage is None:
-        return ()
-    roots = [p for p in bw_gm.graph.find_nodes(op="placeholder") if shares_storage(p, storage)]
-    return tuple(view_closure(roots))

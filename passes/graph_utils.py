@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
@@ -26,6 +26,33 @@ def is_view(node: Node) -> bool:
         return True
     mine = storage_of(node)
     return mine is not None and mine == storage_of(parent)
+
+
+def view_root(node: Node) -> Node:
+    """The first non-view node behind `node` (itself when it is no view)."""
+    while is_view(node):
+        parent = node.args[0]
+        assert isinstance(parent, Node)
+        node = parent
+    return node
+
+
+def saved_aliases(fw_gm: GraphModule, bw_gm: GraphModule, primal: Node) -> list[Node]:
+    """The backward placeholders that hold the forward input `primal` or a view of it: the forward value
+    saved under the same name is `primal` or is reached from it through views only, and shares its
+    storage. Storage identity alone is not enough: the outputs of a nested compile region are cached
+    fake tensors shared by every call of the region, so one call's saved weight would pass for
+    another's."""
+    storage = storage_of(primal)
+    if storage is None:
+        return []
+    forward = {n.name: n for n in fw_gm.graph.nodes}
+    found = []
+    for p in bw_gm.graph.find_nodes(op="placeholder"):
+        source = forward.get(p.name)
+        if source is not None and shares_storage(p, storage) and view_root(source) is primal:
+            found.append(p)
+    return found
 
 
 def node_order(graph: Graph) -> dict[Node, int]:

@@ -1,11 +1,14 @@
 """sonar-fx: in-backward expert updates for memory-efficient MoE training, as a torch.compile pass."""
 
+# Installs its log filters on import: before anything imports torchao (transformers does, building a model).
+from sonar_fx import log_filters  # noqa: F401
 from sonar_fx.api import compile, prepare
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
 from sonar_fx.errors import (
     InterruptedStepError,
     NonFiniteGradientError,
     ProcessGroupRequired,
+    SavingLostError,
     SonarUsageError,
 )
 from sonar_fx.experts.discovery import (
@@ -32,6 +35,7 @@ __all__ = [
     "OptimizerConfig",
     "ProcessGroupRequired",
     "SGDConfig",
+    "SavingLostError",
     "SonarOptimizer",
     "SonarUsageError",
     "UnboundExpertError",

@@ -22,6 +22,9 @@ from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, Expe
 from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
+from sonar_fx.optim.saving import OnSavingLost
+from sonar_fx.optim.step_tracker import mark_backward_root
+from sonar_fx.optim.untracked import UntrackedGradients
 
 Compiler = Literal["inductor", "aot_eager", "eager"]
 COMPILERS = ("inductor", "aot_eager", "eager")
@@ -37,16 +40,21 @@ def prepare(
     nonfinite: NonFinite = "raise",
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     distributed: GradReduction | None = None,
+    on_saving_lost: OnSavingLost | None = None,
 ) -> SonarOptimizer:
     """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
     `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
     untouched and the error names it), "skip" (the step is skipped and counted) or "ignore".
     `expert_biases`: per-expert biases (gpt-oss) train with their experts ("experts", default) or with
     the dense parameters ("dense": clipped, updated at `step()`).
+    `on_saving_lost`: a compiled backward graph that returns expert gradients instead of updating them
+    (so no memory is saved for them) warns ("warn") or raises `SavingLostError` ("raise"); default: the
+    environment variable SONAR_FX_ON_SAVING_LOST, else "warn".
     `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
     return _prepare(
         model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler="eager",
+        on_saving_lost=on_saving_lost,
     )  # fmt: skip
 
 
@@ -61,6 +69,7 @@ def _prepare(
     expert_biases: ExpertBiases,
     distributed: GradReduction | None,
     compiler: str,
+    on_saving_lost: OnSavingLost | None,
 ) -> SonarOptimizer:
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
@@ -90,8 +99,11 @@ def _prepare(
         split.dense_params, found.layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in split.dense], param_order=split.params,
         compiler=compiler, distributed=distributed, matrices=matrix_params(opt_cfg, model, found.layers),
+        on_saving_lost=on_saving_lost,
     )  # fmt: skip
+    optimizer.untracked = UntrackedGradients(model)
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
+    model.register_forward_hook(mark_backward_root)  # where each backward begins, for the step tracker
     return optimizer
 
 
@@ -116,6 +128,7 @@ def compile(
     regional: bool = False,
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     distributed: GradReduction | None = None,
+    on_saving_lost: OnSavingLost | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
@@ -125,14 +138,16 @@ def compile(
     them from post-accumulate-grad hooks (the paper's method). `regional=True` compiles each repeated
     block that holds experts instead of the whole model: one graph, compiled once and reused for all L
     blocks, so compile time stays flat in depth. With `fallback=True` a compiler failure warns once and
-    training continues on the hooks; with `fallback=False` it raises. The model keeps its class,
-    signature and `state_dict()` keys.
+    training continues on the hooks; with `fallback=False` it raises. `on_saving_lost` (see `prepare`)
+    says what a compiled graph that leaves expert gradients to the hooks does. The model keeps its
+    class, signature and `state_dict()` keys.
     """
     if compiler not in COMPILERS:
         raise ValueError(f"compiler={compiler!r}: expected one of {', '.join(COMPILERS)}.")
     optimizer = _prepare(
         model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler=compiler,
+        on_saving_lost=on_saving_lost,
     )  # fmt: skip
     if compiler == "eager":
         return model

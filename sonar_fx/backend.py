@@ -12,6 +12,11 @@ Distributed runs: when the owning optimizer's reduction asks for it (DDP), the p
 expert gradient in the graph; under DDP's optimizer, which compiles bucket-sized subgraphs from fake
 tensors, expert inputs are recognised through the fake mode's memo of the real parameters; an engine
 that reduces after the graph (FSDP2) keeps its experts out of the pass, for the hooks.
+The saving guard: each expert gradient a backward graph still returns after the pass (its hook would
+update it after the whole graph, saving nothing) is reported to its owner, which warns or raises, and
+the compiled function is wrapped so that the owner's meter sees those gradients alive together.
+Before the pass, an expert weight the partition did not save is handed to the backward graph
+(`save_expert_params`), so that its update can bind to it.
 """
 
 from __future__ import annotations
@@ -32,10 +37,14 @@ from torch.fx import GraphModule
 
 import sonar_fx.runtime
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.saving import LostGradient
 from sonar_fx.passes import insert_updates
+from sonar_fx.passes.find_expert_grads import returned_expert_grads
 from sonar_fx.passes.insert_updates import expert_update_pass
 from sonar_fx.passes.reduce_grads import GraphReduce
+from sonar_fx.passes.save_params import save_expert_params
 from sonar_fx.runtime import registry
+from sonar_fx.runtime.meter import ExpertGradMeter, meter_returned_grads
 
 BackendCompiler = Literal["inductor", "aot_eager"]
 Options = dict[str, Any] | None
@@ -51,7 +60,8 @@ _SOURCES = (
 
 
 class SonarPartitioner(CustomPartitionerFn):
-    """Default min-cut partition, then the expert-update pass on the backward graph."""
+    """Default min-cut partition, then the expert-update pass on the backward graph; records what the
+    pass left (expert gradients the graph still returns) for the saving guard."""
 
     def __init__(
         self,
@@ -59,30 +69,42 @@ class SonarPartitioner(CustomPartitionerFn):
         *,
         bw_pass: BackwardPass = expert_update_pass,
         reduce: GraphReduce | None = None,
+        save_params: bool = True,
     ) -> None:
+        """`save_params=False` is the ablation that leaves an expert whose weight the partition did not
+        save to the hooks (as before `save_expert_params` existed)."""
         self.expert_inputs = frozenset(expert_inputs)
         self.bw_pass = bw_pass
         self.reduce = reduce
+        self.save_params = save_params
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
+        self.nested = 0
+        """Nested subgraphs (a nested compile region) passed through unmapped."""
+        self.returned: list[tuple[int, str]] = []
+        """(input index, producer kind) of each expert gradient the backward graph still returns."""
 
     def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         self.ran = True
         fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        primals = joint_inputs[0]
+        primals = joint_inputs[0] if joint_inputs else None
         fw_inputs = fw_gm.graph.find_nodes(op="placeholder")
         if not isinstance(primals, (list, tuple)) or len(fw_inputs) != len(primals):
             # A nested subgraph: its inputs are not the dynamo graph's, so the input map does not apply.
-            # Its expert gradients flow out as usual and the hooks update them.
+            # Its expert gradients flow out to the enclosing graph, which the pass and the guard see.
+            self.nested += 1
             return fw_gm, bw_gm
+        if self.save_params:
+            save_expert_params(fw_gm, bw_gm, self.expert_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
         knobs = {"reduce": self.reduce} if self.reduce is not None else {}
         bw_gm = self.bw_pass(bw_gm, fw_gm=fw_gm, expert_inputs=self.expert_inputs, **knobs)
         self.inserted += len(bw_gm.meta["sonar_updates"])
+        self.returned += returned_expert_grads(bw_gm, self.expert_inputs)
         return fw_gm, bw_gm
 
     def uuid(self) -> Any:
         bw_pass = f"{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
-        knobs = f"{sorted(self.expert_inputs)}|{bw_pass}|{self.reduce}"
+        knobs = f"{sorted(self.expert_inputs)}|{bw_pass}|{self.reduce}|{self.save_params}"
         return get_hash_for_files(_SOURCES, knobs).hex()
 
 
@@ -100,8 +122,10 @@ def make_sonar_backend(
     *,
     fallback: bool = True,
     bw_pass: BackwardPass = expert_update_pass,
+    save_params: bool = True,
 ) -> Callable[..., Callable[..., Any]]:
-    """A new dynamo backend; `bw_pass` replaces the backward pass (ablations in tests and benchmarks)."""
+    """A new dynamo backend; `bw_pass` replaces the backward pass and `save_params=False` drops the
+    weight hand-over (ablations in tests and benchmarks)."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
@@ -115,7 +139,7 @@ def make_sonar_backend(
         reduction = optimizer.distributed if optimizer is not None else None
         if reduction is not None and reduction.in_graph == "hooks":
             owners = {}  # the engine reduces after the graph returns: the hooks update
-        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, reduce=reduce)
+        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, reduce=reduce, save_params=save_params)
         cache_hits = _aot_cache_hits()
         try:
             patches = _inductor_patches(compiler, mode, options)
@@ -127,9 +151,36 @@ def make_sonar_backend(
             return gm.forward
         if optimizer is not None:
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
-        return compiled
+        if not partitioner.returned:
+            return compiled
+        # Outside the fallback: a saving the user asked to be guarded is never traded for a silent one.
+        guard_saving(partitioner, example_inputs, owners)
+        return meter_returned_grads(compiled, [i for i, _ in partitioner.returned], meter_of)
 
     return backend
+
+
+def guard_saving(
+    partitioner: SonarPartitioner, example_inputs: Sequence[object], owners: dict[int, object]
+) -> None:
+    """Tell each owner which of its expert gradients this graph returns un-rewritten (the saving guard
+    warns, or raises under on_saving_lost="raise")."""
+    lost: dict[int, list[LostGradient]] = {}
+    for index, kind in partitioner.returned:
+        owner, param = owners.get(index), example_inputs[index]
+        if isinstance(owner, SonarOptimizer) and isinstance(param, torch.Tensor):
+            grad = LostGradient(
+                name=owner.expert_name(param), kind=kind, nbytes=param.numel() * param.element_size()
+            )
+            lost.setdefault(id(owner), []).append(grad)
+    by_id = {id(o): o for o in owners.values() if isinstance(o, SonarOptimizer)}
+    for key, grads in lost.items():
+        by_id[key].saving.graph_returns(grads, nested=partitioner.nested)
+
+
+def meter_of(param: torch.Tensor) -> ExpertGradMeter | None:
+    owner = registry.owner_of(param)
+    return owner.meter if owner is not None else None
 
 
 def expert_owners(example_inputs: Sequence[object]) -> dict[int, object]:

@@ -231,8 +231,6 @@ def _finetune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )  # fmt: skip
         return EXIT_SIGNAL_BASE + outcome.signum
-    mem = summary["memory"]
-    peak = mem.get("cuda_max_allocated_bytes", mem.get("peak_bytes"))
     world = (
         f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.cfg.parallel is not None else ""
     )
@@ -241,7 +239,7 @@ def _finetune(args: argparse.Namespace) -> int:
         f"held-out loss {_fmt(summary['held_out_loss_initial'])} -> "
         f"{_fmt(summary['held_out_loss'])}; median step {_fmt(summary['median_step_ms'], '.1f')} ms; "
         f"{_fmt(summary['supervised_tokens_per_s'], '.0f')} supervised tokens/s; "
-        f"peak {_fmt(peak and peak / 2**20, '.1f')} MiB; written to {summary['config']['out']}"
+        f"{_memory_line(summary)}; written to {summary['config']['out']}"
     )
     return 0
 
@@ -259,6 +257,23 @@ def _inspect(args: argparse.Namespace) -> int:
     report = discovery_report(model, expert_biases=args.expert_biases)
     print(report_json(report) if args.json else format_report(report))
     return 0 if report["found"] else EXIT_BAD_INPUT
+
+
+def _memory_line(summary: dict[str, Any]) -> str:
+    """The summary's memory figures, each named for what it measures."""
+    mem, mib = summary["memory"], 2**20
+    if "cuda_max_allocated_bytes" in mem:
+        line = f"CUDA allocated high-water {_fmt(mem['cuda_max_allocated_bytes'] / mib, '.1f')} MiB"
+    else:
+        peak = mem.get("peak_bytes")
+        line = f"step peak (state + step transient) {_fmt(peak and peak / mib, '.1f')} MiB"
+    grads = (summary.get("sonar") or {}).get("expert_grad_bytes") or {}
+    if grads.get("measured_peak") is not None:
+        line += (
+            f"; expert gradients alive at once {grads['measured_peak'] / mib:.2f} MiB (one layer "
+            f"{grads['one_layer'] / mib:.2f}, all layers {grads['all_layers'] / mib:.2f})"
+        )
+    return line
 
 
 def _demo(args: argparse.Namespace) -> int:

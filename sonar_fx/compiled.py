@@ -10,6 +10,7 @@ dynamo failure falls back to the eager forward once, with a warning; nothing her
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,24 +18,37 @@ import torch
 from torch import nn
 
 from sonar_fx.backend import record_fallback, sonar_backend
+from sonar_fx.errors import SavingLostError
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime import registry
+
+_COMPILED_ATTR = "_sonar_compiled_forward"
 
 
 class CompiledForward:
     """`module.forward`, compiled with the sonar backend; picklable and deep-copyable with its module."""
 
     def __init__(
-        self, module: nn.Module, compiler: str, *, fallback: bool = True, **torch_compile_kwargs: Any
+        self,
+        module: nn.Module,
+        compiler: str,
+        *,
+        fallback: bool = True,
+        dynamo_config: dict[str, Any] | None = None,
+        **torch_compile_kwargs: Any,
     ) -> None:
+        """`dynamo_config`: dynamo settings patched in around every call (they shape tracing)."""
         self.module = module
         self.compiler = compiler
         self.fallback = fallback
+        self.dynamo_config = dict(dynamo_config or {})
         self.torch_compile_kwargs = torch_compile_kwargs
         self.eager_forward: Callable[..., Any] = type(module).forward
         backend = sonar_backend(compiler, fallback=fallback)
         self.compiled = torch.compile(self.eager_forward, backend=backend, **torch_compile_kwargs)
-        self.failed = False
+        self.runs_eagerly = False
+        """Run the eager forward: dynamo failed (fallback), or an inner module holds the compiled region."""
+        self._owner: Callable[[], SonarOptimizer | None] | None = None  # weak, looked up once
         self.__signature__ = inspect.signature(self.eager_forward.__get__(module))
         self.__doc__ = self.eager_forward.__doc__
         self.__name__ = getattr(self.eager_forward, "__name__", "forward")
@@ -50,29 +64,51 @@ class CompiledForward:
 
     def run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The compiled forward of `module` (this module, or one rebinding `__func__` to itself)."""
-        if self.failed:
+        if self.runs_eagerly:
             return self.eager_forward(module, *args, **kwargs)
-        if not self.fallback:
-            return self.compiled(module, *args, **kwargs)
+        if torch.is_grad_enabled() and (optimizer := self._optimizer()) is not None:
+            optimizer.saving.compiled_forward()  # the saving guard checks that a step ran one
         try:
-            return self.compiled(module, *args, **kwargs)
+            if not self.dynamo_config:
+                return self.compiled(module, *args, **kwargs)
+            with torch._dynamo.config.patch(**self.dynamo_config):
+                return self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
+            lost = _saving_lost(err)
+            if lost is not None:
+                raise lost from None  # on_saving_lost="raise": the user's own error, not a compiler failure
+            if not self.fallback:
+                raise
             # Tracing failed before any backend ran (e.g. a graph break under fullgraph=True): no backward
             # ran on this forward, so nothing was updated yet and running it eagerly is safe.
-            self.failed = True
+            self.runs_eagerly = True
             optimizer = self._optimizer()
             if optimizer is not None:
                 record_fallback(optimizer, err)
             return self.eager_forward(module, *args, **kwargs)
 
     def _optimizer(self) -> SonarOptimizer | None:
-        """The optimizer that owns this module's experts (it records the fallback)."""
-        owners = (registry.owner_of(p) for p in self.module.parameters())
-        return next((o for o in owners if isinstance(o, SonarOptimizer)), None)
+        """The optimizer that owns this module's experts (found once, held weakly)."""
+        if self._owner is None:
+            owners = (registry.owner_of(p) for p in self.module.parameters())
+            found = next((o for o in owners if isinstance(o, SonarOptimizer)), None)
+            self._owner = weakref.ref(found) if found is not None else lambda: None
+        return self._owner()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuilt, never copied: a copy compiled for the copied module (deepcopy maps `self.module` to it).
-        return (_rebuild, (self.module, self.compiler, self.fallback, self.torch_compile_kwargs))
+        settings = (self.compiler, self.fallback, self.dynamo_config, self.torch_compile_kwargs)
+        return (_rebuild, (self.module, *settings))
+
+
+def _saving_lost(err: BaseException) -> SavingLostError | None:
+    """The `SavingLostError` that dynamo wrapped as a backend failure, if that is what `err` is."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, SavingLostError):
+            return seen
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__
+    return None
 
 
 def _unbound_forward(compiled: CompiledForward) -> Callable[..., Any]:
@@ -89,17 +125,53 @@ def _unbound_forward(compiled: CompiledForward) -> Callable[..., Any]:
     return forward
 
 
-def _rebuild(module: nn.Module, compiler: str, fallback: bool, kwargs: dict[str, Any]) -> CompiledForward:
-    return CompiledForward(module, compiler, fallback=fallback, **kwargs)
+def _rebuild(
+    module: nn.Module, compiler: str, fallback: bool, dynamo_config: dict[str, Any], kwargs: dict[str, Any]
+) -> CompiledForward:
+    return CompiledForward(module, compiler, fallback=fallback, dynamo_config=dynamo_config, **kwargs)
+
+
+def recompile_inner_(
+    model: nn.Module, inner: nn.Module, *, dynamo_config: dict[str, Any] | None = None
+) -> bool:
+    """`model`'s forward, compiled by sonar_fx, was replaced by a function that calls `inner` directly
+    (TRL's fused LM head calls the backbone): compile `inner` in place with the same settings, and let
+    the model's own compiled forward (which the replacing function may still call) run eagerly, so each
+    path runs exactly one compiled region. False when there is nothing to move (`model` was not
+    compiled whole by sonar_fx, or `inner` is compiled already)."""
+    compiled = getattr(model, _COMPILED_ATTR, None)
+    if not isinstance(compiled, CompiledForward) or model.__dict__.get("forward") is compiled:
+        return False
+    if isinstance(inner.__dict__.get("forward"), CompiledForward):
+        return False
+    config = {**compiled.dynamo_config, **(dynamo_config or {})}
+    compile_forward_(
+        inner,
+        compiled.compiler,
+        fallback=compiled.fallback,
+        dynamo_config=config,
+        **compiled.torch_compile_kwargs,
+    )
+    compiled.runs_eagerly = True  # `inner`, inside the eager forward, is the compiled region
+    return True
 
 
 def compile_forward_(
-    module: nn.Module, compiler: str, *, fallback: bool, **torch_compile_kwargs: Any
+    module: nn.Module,
+    compiler: str,
+    *,
+    fallback: bool,
+    dynamo_config: dict[str, Any] | None = None,
+    **torch_compile_kwargs: Any,
 ) -> None:
     """Replace `module.forward` by its compiled forward, in place."""
     if isinstance(module.__dict__.get("forward"), CompiledForward):
         raise ValueError(f"{type(module).__name__}.forward is already compiled by sonar_fx.")
-    module.forward = CompiledForward(module, compiler, fallback=fallback, **torch_compile_kwargs)
+    compiled = CompiledForward(
+        module, compiler, fallback=fallback, dynamo_config=dynamo_config, **torch_compile_kwargs
+    )
+    module.forward = compiled
+    module.__dict__[_COMPILED_ATTR] = compiled  # found again if something replaces module.forward
 
 
 def repeated_blocks(model: nn.Module, expert_module_names: Iterable[str]) -> list[tuple[str, nn.Module]]:

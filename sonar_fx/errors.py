@@ -37,3 +37,12 @@ class NonFiniteGradientError(SonarUsageError, FloatingPointError):
 class ProcessGroupRequired(SonarUsageError):
     """A distributed engine was set up without an initialised torch.distributed process group
     (see `sonar_fx.optim.reduction.require_process_group`, the one place that checks)."""
+
+
+class SavingLostError(SonarUsageError):
+    """A compiled backward graph returns expert gradients un-rewritten (no memory saved for them) and
+    the policy is on_saving_lost="raise"; `tensors` names them."""
+
+    def __init__(self, message: str, tensors: list[str]) -> None:
+        super().__init__(message)
+        self.tensors = tensors

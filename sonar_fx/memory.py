@@ -15,6 +15,7 @@ import contextlib
 import os
 import resource
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,18 +57,25 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> t
         allocated = torch.cuda.max_memory_allocated(device)
         return result, PeakMemory(allocated - start, allocated, torch.cuda.max_memory_reserved(device))
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_silenced():  # kineto prints a line on start and stop; keep progress bars clean
+    with native_stderr_silenced():  # kineto prints a line on start and stop; keep progress bars clean
         prof.start()
     try:
-        result = fn()
+        with _native_stderr_without(_UNKNOWN_BLOCK):
+            result = fn()
     finally:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             prof.stop()
     return result, PeakMemory(peak_live_bytes(prof))
 
 
+_UNKNOWN_BLOCK = "Memory block of unknown size was allocated before the profiling started"
+"""c10 logs this (once) when a tensor made before the profiler started is freed under it: expected in
+every measured step (last step's tensors), and the allocator-event sum accounts for it (frees of
+untracked blocks carry no size, so the peak counts only what the step allocated)."""
+
+
 @contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
+def native_stderr_silenced() -> Iterator[None]:
     """Send file descriptor 2 to /dev/null for the duration (only around profiler start/stop)."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -79,6 +87,26 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def _native_stderr_without(line: str) -> Iterator[None]:
+    """Capture file descriptor 2 for the duration, then pass on everything but the lines holding `line`
+    (C++ writes to the descriptor directly, past Python's warning filters)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [raw for raw in captured.read().splitlines(keepends=True) if line.encode() not in raw]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def peak_live_bytes(prof: profile) -> int:

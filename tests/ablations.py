@@ -79,3 +79,58 @@ def inject_backward_fault(module: torch.nn.Module, when: Callable[[], bool]) -> 
         return _RaiseInBackward.apply(output)
 
     module.register_forward_hook(hook)
+
+
+def inject_backward_hook_fault(module: torch.nn.Module) -> dict[str, bool]:
+    """A backward pre-hook on `module` that raises while the returned switch's "on" is true (dynamo
+    compiles a module's backward hook into the graph; eager runs it between layers)."""
+    fault = {"on": False}
+
+    def pre_hook(mod, grad_output):
+        if fault["on"]:
+            raise RuntimeError("injected fault in a module backward hook")
+
+    module.register_full_backward_pre_hook(pre_hook)
+    return fault
+
+
+GRAPH_FAULT = {"on": False}
+"""Switch of `inject_graph_fault`: read by the op at run time, so one compiled graph serves both."""
+
+
+@torch.library.custom_op("sonar_test::fault_grad", mutates_args=())
+def _fault_grad(grad: torch.Tensor) -> torch.Tensor:
+    if GRAPH_FAULT["on"]:
+        raise RuntimeError("injected fault inside the compiled backward")
+    return grad.clone()
+
+
+@_fault_grad.register_fake
+def _(grad):
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("sonar_test::fault_point", mutates_args=())
+def _fault_point(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_fault_point.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_fault_point.register_autograd(lambda ctx, grad: _fault_grad(grad))
+
+
+def inject_graph_fault(module: torch.nn.Module) -> None:
+    """Route `module`'s output through an op whose backward raises while `GRAPH_FAULT["on"]`: traced into
+    the compiled graph (unlike `inject_backward_fault`), so the fault fires in the middle of the one
+    autograd node that a compiled backward is, after the updates above it in the same graph ran."""
+
+    def hook(mod, args, output):
+        if isinstance(output, tuple):
+            return (_fault_point(output[0]), *output[1:])
+        return _fault_point(output)
+
+    module.register_forward_hook(hook)

@@ -4,6 +4,7 @@ Fast on purpose (micro models, one torch thread, aot_eager where a compiled arm 
 are never asserted here: they belong in the benchmark output, not in a pass/fail test.
 """
 
+import dataclasses
 import json
 import shlex
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import common, compile_overhead, endurance, optimizers, readme
+from benchmarks import common, compile_overhead, endurance, hot_path, optimizers, readme
 from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table
 from benchmarks.memory_timeline import PHASES, profile_step, timeline
@@ -309,3 +310,26 @@ def test_optimizers_muon_table_measures_state_memory_and_time_against_adamw_and_
     assert [row[0] for row in table.rows] == [a.label for a in arms]
     goals = {g.name: g for g in optimizers.muon_goals(arms)}
     assert goals["Muon expert state"].met and isinstance(goals["in-backward Muon time"].met, bool)
+
+
+def test_hot_path_profiles_each_update_beside_its_equal_work_twin(one_thread):
+    """The eager pairs of `benchmarks.hot_path` on a micro model: every arm timed in every round, the
+    profiler counting one fused AdamW call per expert tensor plus the dense one (Sonar and the hand-written
+    hooks alike), the logged norms only where Sonar takes them, and every eager goal measured."""
+    cfg = dataclasses.replace(hot_path.QUICK, modes=("eager",))
+    tables, goals, records = hot_path.run(cfg)
+    assert [r["error"] for r in records] == [None] * 4
+    assert all(
+        len(r["cpu_s"]) == cfg.rounds and len(r["op_calls"]["aten::_fused_adamw_"]) == 2 for r in records
+    )
+    tensors = 2 * SHAPES[cfg.shape].layers  # gate_up and down per layer
+    calls = {r["label"]: r["op_calls"] for r in records}
+    assert all(c["aten::_fused_adamw_"] == [tensors + 1] * 2 for c in calls.values())
+    norms = {label: c["aten::linalg_vector_norm"][0] for label, c in calls.items()}
+    assert norms["sonar · eager hooks"] == norms[f"{hot_path.HANDWRITTEN} · eager hooks"] + tensors
+    assert (
+        norms[f"sonar · eager hooks, {hot_path.UNCHECKED}"] == norms[f"{hot_path.HANDWRITTEN} · eager hooks"]
+    )
+    eager = [g for g in goals if "eager" in g.name]
+    assert len(eager) == 3 and all(isinstance(g.met, bool) for g in eager)
+    assert [row[0] for row in tables[0].rows][:2] == ["step, wall (timed rounds)", "step, CPU (timed rounds)"]

@@ -25,7 +25,7 @@ def records(n: int) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_each_method_trains_and_writes_metrics_and_summary(tmp_path, method):
+def test_each_method_trains_and_writes_metrics_and_summary(tmp_path, capsys, method):
     assert finetune(tmp_path, "--method", method, "--eval-every", "1") == 0
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
@@ -39,6 +39,16 @@ def test_each_method_trains_and_writes_metrics_and_summary(tmp_path, method):
     assert summary["hardware"]["device"] == "cpu"
     assert (summary["sonar"] is not None) == method.startswith("sonar")
     assert (tmp_path / "checkpoint.pt").is_file()
+    # Each memory figure under its own name: the step's, and Sonar's expert gradients beside their bounds.
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "step peak (state + step transient)" in last_line
+    assert ("expert gradients alive at once" in last_line) == method.startswith("sonar")
+    if method.startswith("sonar"):
+        bound = summary["sonar"]["expert_grad_bytes"]
+        assert bound["one_layer"] < bound["all_layers"]
+        assert all(0 < r["expert_grad_peak_bytes"] <= bound["one_layer"] for r in lines)
+    else:
+        assert not any("expert_grad_peak_bytes" in r for r in lines)
 
 
 def test_loss_falls_and_the_lr_schedule_is_logged(tmp_path):

@@ -11,7 +11,7 @@ import torch
 import sonar_fx
 from sonar_fx.models import build_model
 
-from ablations import inject_backward_fault
+from ablations import GRAPH_FAULT, inject_backward_fault, inject_backward_hook_fault, inject_graph_fault
 from helpers import CFG, assert_same_weights, batches
 
 COMPILERS = ["eager", "aot_eager"]
@@ -154,3 +154,54 @@ def test_nonfinite_ignore_trains_on_nan_as_before():
     model = _model("eager", nonfinite="ignore")
     _step(model, batches(1)[0], scale=float("nan"))
     assert all(t.param.isnan().any() for layer in model.sonar.expert_layers for t in layer.tensors)
+
+
+@pytest.mark.parametrize("where", ["module backward hook", "inside the graph"])
+def test_a_fault_inside_a_compiled_backward_is_an_interrupted_step_as_in_eager(where):
+    """The whole compiled backward is one autograd node: a fault in the middle of it (a module's backward
+    pre-hook, dynamo-compiled into the graph, or an op of the graph itself) leaves the updates above it
+    done, and the next backward and step() name them, as in eager."""
+    model = _model("aot_eager")
+    if where == "module backward hook":
+        switch = inject_backward_hook_fault(model.model.layers[0])
+    else:
+        inject_graph_fault(model.model.layers[0])
+        switch = GRAPH_FAULT
+    b0, b1, b2 = batches(3)
+    _step(model, b0)
+    switch["on"] = True
+    try:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            model(**b1).loss.backward()
+    finally:
+        switch["on"] = False
+    assert model.sonar.report()["step_in_progress"]["updated"] == sorted(UPPER)
+    with pytest.raises(sonar_fx.InterruptedStepError, match=r"abandon_step\(\)") as err:
+        model(**b2).loss.backward()
+    assert sorted(err.value.updated) == sorted(UPPER)
+    with pytest.raises(sonar_fx.InterruptedStepError):
+        model.sonar.step()
+    assert sorted(model.sonar.abandon_step()) == sorted(UPPER)
+    _step(model, b2)
+    assert model.sonar.report()["updates_in_graph"] == 4 + 2 + 4  # step, the partial one, step
+
+
+def test_a_fault_under_reentrant_checkpointing_is_an_interrupted_step():
+    """Reentrant checkpointing runs each layer's backward as a nested graph task: the end of the first
+    one must not pass for the end of the step (the tracker waits for the backward that began at the
+    model's outputs), or the next backward would be taken for gradient accumulation."""
+    model = _model("eager")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    fault = inject_backward_hook_fault(model.model.layers[0])
+    b0, b1, b2 = batches(3)
+    _step(model, b0)
+    fault["on"] = True
+    with pytest.raises(RuntimeError, match="injected fault"):
+        model(**b1).loss.backward()
+    fault["on"] = False
+    with pytest.raises(sonar_fx.InterruptedStepError) as err:
+        model(**b2).loss.backward()
+    assert sorted(err.value.updated) == sorted(UPPER)
+    model.sonar.abandon_step()
+    _step(model, b2)

@@ -147,31 +147,37 @@ def test_a_second_clip_is_not_a_no_op():
     assert any(not torch.equal(a.grad, b.grad) for a, b in zip(once, twice, strict=True))
 
 
-def test_sft_trainer_equals_standard_with_trls_defaults(tmp_path):
-    """TRL's defaults (bf16 autocast through accelerate, gradient checkpointing) on prompt-completion
-    Alpaca rows tokenized by the byte tokenizer: the same tokens and masks as `sonar_fx.data`."""
-    tokenizer = byte_tokenizer()
-    data = Dataset.from_list(prompt_completion(RECORDS))
+@functools.cache
+def sft_run(compiler: str | None) -> tuple[nn.Module, SFTTrainer]:
+    """TRL's defaults (bf16 autocast through accelerate, gradient checkpointing, the fused LM head, the
+    router's auxiliary loss) on prompt-completion Alpaca rows tokenized by the byte tokenizer: Sonar
+    compiled with `compiler`, or (None) the standard twin."""
+    torch._dynamo.reset()
+    args = training_args("unused", SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2)
+    assert args.bf16 and args.gradient_checkpointing  # TRL's defaults, kept on purpose
+    data, tokenizer = Dataset.from_list(prompt_completion(RECORDS)), byte_tokenizer()
+    model = build_model("tiny-qwen3moe", seed=0)
+    if compiler is None:
+        trainer = standard_trainer(model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer)
+    else:
+        model = sonar_fx.compile(model, sonar_config(args), compiler=compiler)
+        trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    return model, trainer
 
-    def run(sonar: bool):
-        args = training_args(tmp_path, SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2)
-        assert args.bf16 and args.gradient_checkpointing  # TRL's defaults, kept on purpose
-        model = build_model("tiny-qwen3moe", seed=0)
-        if sonar:
-            model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
-            trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-        else:
-            trainer = standard_trainer(
-                model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer
-            )
-        trainer.train()
-        return model, trainer
 
-    sonar_model, trainer = run(sonar=True)
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_sft_trainer_equals_standard_with_trls_defaults(compiler):
+    """Compiled, TRL's fused LM head replaces model.forward with a function that calls the backbone
+    directly: SonarSFTTrainer compiles the backbone in its place, so every expert update is in-graph."""
+    sonar_model, trainer = sft_run(compiler)
     row, expected = trainer.train_dataset[0], encode_example(RECORDS[0], TOKENIZER, SEQ)
     assert (row["input_ids"], row["labels"]) == (expected["input_ids"], expected["labels"])
-    assert sonar_model.sonar.report()["updates_by_hook"] == 2 * 4
-    standard_model, _ = run(sonar=False)
+    report = sonar_model.sonar.report()
+    path = "updates_by_hook" if compiler == "eager" else "updates_in_graph"
+    assert report[path] == 2 * 4 and report["updates_by_hook"] + report["updates_in_graph"] == 2 * 4
+    assert report["expert_grad_bytes"]["measured_peak"] <= report["expert_grad_bytes"]["one_layer"]
+    standard_model, _ = sft_run(None)
     assert_same_weights(sonar_model, standard_model)
     assert weights_differ(sonar_model, build_model("tiny-qwen3moe", seed=0))
 
@@ -279,8 +285,10 @@ def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
     weights as the twin."""
     model = build_model("tiny-qwen3moe", seed=0)
     model.model.layers[1].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
-    with pytest.warns(UserWarning, match="sonar: compilation failed"):
+    with pytest.warns(UserWarning, match="sonar: compilation failed") as caught:
         model, trainer = sonar_run(model, "aot_eager", tmp_path, fullgraph=True)
+    uncompiled = [str(w.message) for w in caught if "no compiled graph computed" in str(w.message)]
+    assert len(uncompiled) == 1 and "Likely cause: compilation fell back to eager hooks (" in uncompiled[0]
     assert trainer._signature_columns == _columns(build_model("tiny-qwen3moe", seed=0), trainer.args)[0]
     assert model.sonar.report()["updates_by_hook"] == 3 * 4 and len(model.sonar.report()["fallbacks"]) == 1
     assert_same_weights(model, standard_run("tiny-qwen3moe"))
@@ -308,6 +316,7 @@ def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overri
         ({}, {"gradient_accumulation_steps": 2}, "multiply per_device_train_batch_size by 2"),
         ({}, {"optim": "sgd"}, "optim='sgd'"),
         ({}, {"torch_compile": True}, "torch_compile=False"),
+        ({}, {"torch_compile": True, "torch_compile_backend": "sonar"}, r"not 'sonar'.*sonar_fx\.compile"),
         ({}, {"fp16": True}, "Use bf16=True or fp32"),
     ],
 )

@@ -113,6 +113,7 @@ def test_no_import_cycles():
 # The layers, bottom first: a module imports only modules of its own layer or of layers below it. Every
 # module belongs to exactly one layer (the longest prefix that names it), so a new module must be placed.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("log filters", ("sonar_fx.log_filters",)),  # other libraries' noise, filtered at import: torch only
     ("errors", ("sonar_fx.errors",)),
     ("runtime", ("sonar_fx.runtime",)),  # the in-graph op and its weak registry
     ("passes", ("sonar_fx.passes",)),  # the graph passes: torch and their own files only

@@ -86,16 +86,24 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: So
             "run after Sonar has updated the experts from the scaled gradients in backward. Use bf16=True or "
             "fp32."
         )
-    if args.torch_compile:
-        raise SonarUsageError(
-            "TrainingArguments(torch_compile=True) would compile the model again with another backend; "
-            "sonar_fx.compile(model, cfg, compiler=...) already compiled it with the Sonar pass. Set "
-            "torch_compile=False and choose the compiler in sonar_fx.compile."
-        )
+    refuse_torch_compile(args)
     _check_accumulation(args, optimizer)
     _check_clip(args, optimizer)
     _check_hyperparameters(args, optimizer)
     _check_trainable(model, optimizer)
+
+
+def refuse_torch_compile(args: TrainingArguments) -> None:
+    """The Trainer's own compile (`torch_compile=True`) hands the backend to accelerate, which knows only
+    its own backends (a "sonar" backend fails there) and would compile the model a second time."""
+    if args.torch_compile:
+        backend = args.torch_compile_backend
+        raise SonarUsageError(
+            f"TrainingArguments(torch_compile=True, torch_compile_backend={backend!r}): the Trainer compiles "
+            "through accelerate, which accepts only its own backends (not 'sonar') and would compile the "
+            "model a second time. Compile it yourself with the Sonar pass, sonar_fx.compile(model, "
+            "sonar_config(args), compiler='inductor'), and set torch_compile=False."
+        )
 
 
 def _check_accumulation(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
@@ -161,6 +169,9 @@ class SonarTrainerMixin:
     sonar: SonarOptimizer
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            refuse_torch_compile(training_args)  # before the Trainer hands it to accelerate, which fails
         super().__init__(*args, **kwargs)
         trainer: Any = self
         self.sonar = sonar_of(trainer.model)

@@ -32,9 +32,12 @@ from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.report import report
 from sonar_fx.optim.rules import matrix_rule_for, rule_for
+from sonar_fx.optim.saving import OnSavingLost, SavingGuard, expert_grad_bytes, resolve_on_saving_lost
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
+from sonar_fx.optim.untracked import UntrackedGradients
 from sonar_fx.runtime import hooks, registry
+from sonar_fx.runtime.meter import ExpertGradMeter
 
 Granularity = Literal["batched", "per_expert"]
 
@@ -58,6 +61,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         compiler: str = "eager",
         distributed: GradReduction | None = None,
         matrices: Sequence[nn.Parameter] = (),
+        on_saving_lost: OnSavingLost | None = None,
     ) -> None:
         """`dense_names`: the model's names of `dense_params`, for messages. `param_order`: every
         trainable parameter in the model's order (`model.parameters()`), the order in which
@@ -65,7 +69,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         dense, then experts). `compiler`: what compiles the model's forward ("eager": nothing; reported
         by `report()`). `distributed`: how expert gradients are reduced across ranks before their update
         (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense tensors a config
-        with a matrix rule (Muon) updates as hidden matrices (`sonar_fx.optim.matrices.matrix_params`)."""
+        with a matrix rule (Muon) updates as hidden matrices (`sonar_fx.optim.matrices.matrix_params`).
+        `on_saving_lost`: what a compiled graph that returns expert gradients un-rewritten does ("warn"
+        or "raise"; see `sonar_fx.optim.saving`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
@@ -81,8 +87,11 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.experts = ExpertSet(tuple(expert_layers))
         self.stats = SonarStats()
+        self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
         self.compiler = compiler
         self.distributed = distributed
+        self.untracked: UntrackedGradients | None = None
+        """Watches the model for trainable tensors no group holds (set by `prepare`)."""
         experts = self.experts.params
         split = {id(p) for p in matrices} if self.matrix_rule is not None else set()
         groups = [
@@ -107,6 +116,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _bind(self) -> None:
         """Own the expert tensors: registry entries and hooks, both released when self is collected."""
         self.tracker = StepTracker(self.accumulation)
+        self.meter = ExpertGradMeter()
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
@@ -133,13 +143,18 @@ class SonarOptimizer(torch.optim.Optimizer):
             "nonfinite",
             "experts",
             "stats",
+            "saving",
         )
         state.update({k: self.__dict__[k] for k in keep})
         state.update(compiler=self.compiler, distributed=None)
+        # The watched model itself (a deep copy of the model maps it to the copy); weak again once restored.
+        state["untracked"] = self.untracked.model() if self.untracked is not None else None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        model = state.pop("untracked", None)
         super().__setstate__(state)
+        self.untracked = UntrackedGradients(model) if model is not None else None
         self._set_rules(self.cfg)
         self._bind()  # a deep copy binds the copied tensors (its model's, when the model was copied)
 
@@ -170,6 +185,10 @@ class SonarOptimizer(torch.optim.Optimizer):
     def model_order(self) -> dict[int, int]:
         """id(param) -> its position in the model's order, for every parameter this optimizer holds."""
         return self._order
+
+    def expert_name(self, param: Tensor) -> str:
+        """The model's name for the expert tensor `param` (one of this optimizer's)."""
+        return self._names.get(id(param), f"an expert tensor {tuple(param.shape)}")
 
     def dense_name(self, param: Tensor) -> str:
         """The model's name of a dense parameter, for messages."""
@@ -260,9 +279,15 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "the first step, or load a checkpoint into a model already on its final device and dtype."
             )
 
+    def backward_began(self) -> None:
+        """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
+        self.tracker.backward_began()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
     def _backward_finished(self) -> None:
-        """Autograd runs this when a backward that updated experts ends (never when it raised)."""
-        self.tracker.open_task = None
+        """Autograd runs this when a backward that updated experts (or began at the model's outputs)
+        ends; never when it raised."""
+        self.tracker.backward_finished()
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -276,6 +301,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         expert_clip="global"), then the fused update. Experts are done."""
         if closure is not None:
             raise SonarUsageError("SonarOptimizer.step() takes no closure: experts update during backward.")
+        if self.untracked is not None:
+            self.untracked.check(p for group in self.param_groups for p in group["params"])
         self.tracker.before_step()
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
@@ -332,10 +359,15 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._forget_fresh_states(self.nonfinite_policy.flagged())
         self.clipper.abandon()
         self.stats.abandon_step(updated)
+        self.meter.forget()
         self._forget_step()
         return updated
 
     def _end_step(self) -> None:
+        self.saving.end_step(
+            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph
+        )
+        self.meter.end_step()
         self.clipper.end_step()
         self.stats.end_step()
         self._forget_step()
@@ -375,7 +407,12 @@ class SonarOptimizer(torch.optim.Optimizer):
             "compiler": self.compiler,
             "nonfinite": self.nonfinite,
         }
-        return report(settings, self.stats, self.tracker)
+        saving = {
+            **self.saving.report(),
+            "updates_after_graph": self.meter.after_graph,
+            "expert_grad_bytes": expert_grad_bytes(self.meter, self.expert_layers),
+        }
+        return report(settings, self.stats, self.tracker, saving)
 
     def grad_norms(self) -> dict[str, Any]:
         """The last completed step's gradient norms as floats (one host sync): "dense" (global norm of

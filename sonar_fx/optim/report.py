@@ -11,9 +11,11 @@ from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import StepTracker
 
 
-def report(settings: dict[str, Any], stats: SonarStats, tracker: StepTracker) -> dict[str, Any]:
+def report(
+    settings: dict[str, Any], stats: SonarStats, tracker: StepTracker, saving: dict[str, Any]
+) -> dict[str, Any]:
     """`settings` (what the optimizer was built with), then update counts by path, compiles and
-    fallbacks, the step in progress, skips and abandoned steps."""
+    fallbacks, `saving` (the saving guard's figures), the step in progress, skips and abandoned steps."""
     s, t = stats, tracker
     return {
         **settings,
@@ -25,6 +27,7 @@ def report(settings: dict[str, Any], stats: SonarStats, tracker: StepTracker) ->
         "updates_inserted": s.updates_inserted,
         "recompiles": s.recompiles,
         "fallbacks": list(s.fallbacks),
+        **saving,
         "last_step": dict(s.last_step),
         "step_in_progress": {
             "updated": sorted(t.updated),

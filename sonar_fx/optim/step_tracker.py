@@ -1,19 +1,26 @@
 """The step in progress: which expert tensors it updated, in which backward, and whether that ended.
 
 An in-backward update cannot be taken back, so the optimizer must know exactly what a step has done.
-Backwards are told apart by autograd's graph-task id; the optimizer queues a callback on the first
-update of a backward, which autograd runs only when that backward finishes, so a backward that raised
-leaves an open task behind. From that the tracker tells apart: gradient accumulation (a second backward before
-`step()`), one tensor updated twice in ONE backward (a module that runs twice per forward), and a
-step left partial by an exception. It never updates anything itself.
+A backward through the prepared model starts at its outputs: a hook there (`mark_backward_root`, a
+forward hook of the model) tells the tracker, in the outermost graph task, that a backward began, and
+the optimizer queues a callback on that task, which autograd runs only when the whole backward
+finishes, so a backward that raised leaves it open. Without that hook (a submodule called directly),
+backwards are told apart by autograd's graph-task id and the callback is queued at the first update.
+Graph-task ids alone would be wrong for a backward that runs nested backwards (reentrant checkpointing
+runs each layer's backward as its own task inside the outer one): the first nested task to finish would
+look like the end of the step. From that the tracker tells apart: gradient accumulation (a second
+backward before `step()`), one tensor updated twice in ONE backward (a module that runs twice per
+forward), and a step left partial by an exception. It never updates anything itself.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
 
@@ -26,25 +33,47 @@ class StepTracker:
 
     def __init__(self, accumulation: Accumulation) -> None:
         self.accumulation = accumulation
-        self.updated: dict[str, int] = {}
-        """Expert tensor name -> graph task of the backward that updated it in this step."""
+        self.updated: dict[str, tuple[str, int]] = {}
+        """Expert tensor name -> the backward that updated it in this step (`_backward_key`)."""
         self.open_task: int | None = None
-        """A backward that updated experts and has not finished (yet, or ever: it raised)."""
+        """A backward that updated experts, or began at the model's outputs, and has not finished (yet,
+        or ever: it raised)."""
+        self.rooted = False
+        """The open backward was seen beginning at the model's outputs (`backward_began`): updates in
+        other graph tasks (nested ones) belong to it."""
+        self.backwards = 0
+        """Backwards seen beginning at the model's outputs."""
         self.interrupted: list[str] | None = None
         """Names the interrupted backward had updated, once an interruption was detected."""
         self._warned_accumulation = False
 
+    def backward_began(self) -> None:
+        """A backward reached the model's outputs: the outermost graph task of a new backward, before any
+        of its updates (the caller then queues the end-of-backward callback on it)."""
+        if self.interrupted is None and self.open_task is not None and self.updated:
+            self.interrupted = list(self.updated)
+        if self.interrupted is not None:
+            raise self.interrupted_error("a new backward")
+        self.open_task, self.rooted = torch._C._current_graph_task_id(), True
+        self.backwards += 1
+
     def before_update(self, name: str) -> bool:
         """Raise if updating `name` now would train differently from what was asked; True when this is
-        the first update of a new backward (the caller then queues its end-of-backward callback)."""
+        the first update of a new backward the tracker did not see begin (the caller then queues its
+        end-of-backward callback)."""
         task = torch._C._current_graph_task_id()
-        if self.interrupted is None and self.open_task is not None and task != self.open_task:
+        if (
+            self.interrupted is None
+            and self.open_task is not None
+            and task != self.open_task
+            and not self.rooted
+        ):
             self.interrupted = list(self.updated)
         if self.interrupted is not None:
             raise self.interrupted_error("a new backward")
         previous = self.updated.get(name)
         if previous is not None:
-            if previous == task and task != NO_TASK:
+            if previous == self._backward_key(task) and task != NO_TASK:
                 raise SonarUsageError(
                     f"{name} received two gradients in one backward: the module that holds it ran twice "
                     "in one forward (shared layers), or two compiled graphs both produced its gradient. "
@@ -58,18 +87,25 @@ class StepTracker:
         return False
 
     def record(self, name: str) -> None:
-        self.updated[name] = torch._C._current_graph_task_id()
+        self.updated[name] = self._backward_key(torch._C._current_graph_task_id())
+
+    def backward_finished(self) -> None:
+        self.open_task, self.rooted = None, False
+
+    def _backward_key(self, task: int) -> tuple[str, int]:
+        """Which backward an update belongs to: the one seen beginning, or else its graph task."""
+        return ("began", self.backwards) if self.rooted else ("task", task)
 
     def before_step(self) -> None:
         """Raise if the step's backward did not finish (it raised after updating experts)."""
-        if self.interrupted is None and self.open_task is not None:
+        if self.interrupted is None and self.open_task is not None and self.updated:
             self.interrupted = list(self.updated)
         if self.interrupted is not None:
             raise self.interrupted_error("step()")
 
     def reset(self) -> None:
         """Forget the step in progress (after `step()` or `abandon_step()`)."""
-        self.updated, self.open_task, self.interrupted = {}, None, None
+        self.updated, self.open_task, self.interrupted, self.rooted = {}, None, None, False
 
     def interrupted_error(self, at: str) -> InterruptedStepError:
         names = self.interrupted or []
@@ -98,3 +134,16 @@ class StepTracker:
                 "paper's semantics), not once per optimizer step.",
                 stacklevel=4,
             )
+
+
+@torch.compiler.disable
+def mark_backward_root(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a prepared model: when a backward first reaches one of its outputs, tell the
+    model's optimizer a backward began (in the outermost graph task). Never traced: it only registers
+    a hook, after the forward."""
+    owner = module.__dict__.get("sonar")
+    if owner is None or not torch.is_grad_enabled():
+        return
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: owner.backward_began(), mode="any")

@@ -5,6 +5,7 @@ most one layer of expert gradients is alive. Under the compiled pass the same ho
 net for gradients computed outside any compiled graph (a hook finds no gradient, and does nothing,
 for a tensor whose gradient the graph consumed). The hook holds no reference to its owner: it looks
 the owner up when it fires, so a dropped optimizer is freed and its tensors train as plain tensors.
+Each hook reports its gradient to the owner's meter (`meter`): alive when the hook starts, freed by it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,23 @@ from sonar_fx.runtime.registry import owner_of
 
 
 def register_expert_hooks(params: Iterable[Tensor]) -> list[RemovableHandle]:
-    """Hook every tensor in `params`; returns the handles (remove them to detach)."""
-    return [p.register_post_accumulate_grad_hook(update_and_free) for p in params]
+    """Hook every tensor in `params`, frozen ones included; returns the handles (remove them to detach).
+
+    torch refuses a hook on a tensor that does not require grad, but a frozen expert may be unfrozen
+    later (and the original, hooked while trainable, keeps its hook through a freeze): a frozen tensor
+    is made trainable just long enough to take its hook, so a copy or an unpickled model is hooked
+    exactly as the model it was made from."""
+    handles = []
+    for p in params:
+        frozen = not p.requires_grad
+        if frozen:
+            p.requires_grad_(True)
+        try:
+            handles.append(p.register_post_accumulate_grad_hook(update_and_free))
+        finally:
+            if frozen:
+                p.requires_grad_(False)
+    return handles
 
 
 def update_and_free(param: Tensor) -> None:
@@ -29,5 +45,10 @@ def update_and_free(param: Tensor) -> None:
     owner = owner_of(param)
     if owner is None:
         return  # no live owner: the gradient stays in .grad, as without Sonar
-    owner.update_expert_(param, param.grad, path="hook")
-    param.grad = None
+    meter = owner.meter
+    meter.appeared(param, param.grad.nbytes)  # AccumulateGrad ran just now: it appeared just now
+    try:
+        owner.update_expert_(param, param.grad, path="hook")
+        param.grad = None
+    finally:
+        meter.freed(param)

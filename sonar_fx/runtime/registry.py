@@ -13,9 +13,14 @@ from typing import Protocol
 
 from torch import Tensor
 
+from sonar_fx.runtime.meter import ExpertGradMeter
+
 
 class ExpertOwner(Protocol):
-    """What the runtime calls: the owner applies its update to `param` with `grad`, now."""
+    """What the runtime calls: the owner applies its update to `param` with `grad`, now, and counts
+    its expert gradients' lifetimes on `meter`."""
+
+    meter: ExpertGradMeter
 
     def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None: ...
 

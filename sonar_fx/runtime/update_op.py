@@ -29,7 +29,12 @@ def expert_update_(grad: Tensor, param_aliases: list[Tensor], reduced: str = "")
     if not param_aliases:
         raise RuntimeError("sonar_fx::expert_update_ needs at least one alias of the expert parameter.")
     param, owner = resolve(param_aliases[0])
-    owner.update_expert_(param, grad, path="graph", reduced=reduced)
+    meter = owner.meter
+    meter.appeared(param, grad.nbytes)
+    try:
+        owner.update_expert_(param, grad, path="graph", reduced=reduced)
+    finally:
+        meter.freed(param)  # the op is the gradient's last use: the graph frees it as the op returns
 
 
 @expert_update_.register_fake

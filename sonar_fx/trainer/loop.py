@@ -189,7 +189,14 @@ class Trainer:
                 "lr": lr, "step_ms": seconds * 1e3, "supervised_tokens": n_tok,
                 "tokens_per_s": n_tok / seconds, "epoch": self.stream.epoch,
                 "world_size": self.parallel.world,
-                **self._grad_norms(), **high_water_mib(self.device)}  # fmt: skip
+                **self._grad_norms(), **self._expert_grads(), **high_water_mib(self.device)}  # fmt: skip
+
+    def _expert_grads(self) -> dict[str, Any]:
+        """Sonar's measured peak of expert-gradient bytes alive at once in this step (its meter)."""
+        optimizer = self.method.optimizer
+        if not isinstance(optimizer, SonarOptimizer) or optimizer.meter.last_peak is None:
+            return {}
+        return {"expert_grad_peak_bytes": optimizer.meter.last_peak}
 
     def _grad_norms(self) -> dict[str, Any]:
         """Sonar's gradient norms of the step (taken inside its updates; before clipping)."""
@@ -240,10 +247,17 @@ class _NoMetrics:
 
 
 def _postfix(record: Mapping[str, Any]) -> dict[str, str]:
-    mem = record.get("cuda_max_allocated_mib", record.get("peak_rss_mib", 0.0))
+    """The progress bar: each memory figure named for what it is (a high-water mark of the process or
+    of CUDA's allocator since the start; the expert gradients alive at once in this step)."""
     loss = record["loss"]
     postfix = {"loss": "nan" if loss is None else f"{loss:.3f}", "ms": f"{record['step_ms']:.0f}",
-               "tok/s": f"{record['tokens_per_s']:.0f}", "peak": f"{mem:.0f}MiB"}  # fmt: skip
+               "tok/s": f"{record['tokens_per_s']:.0f}"}  # fmt: skip
+    if "cuda_max_allocated_mib" in record:
+        postfix["cuda_hw"] = f"{record['cuda_max_allocated_mib']:.0f}MiB"
+    elif "peak_rss_mib" in record:
+        postfix["rss_hw"] = f"{record['peak_rss_mib']:.0f}MiB"
+    if record.get("expert_grad_peak_bytes") is not None:
+        postfix["exp_grads"] = f"{record['expert_grad_peak_bytes'] / 2**20:.1f}MiB"
     for key, label in (("grad_norm_dense", "gn"), ("grad_norm_expert_max", "gn_exp")):
         if record.get(key) is not None:
             postfix[label] = f"{record[key]:.3g}"

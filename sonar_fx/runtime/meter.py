@@ -1,0 +1,115 @@
+"""The expert-gradient meter: bytes of expert gradients alive at once, measured while backward runs.
+
+Sonar's saving is that expert gradients never pile up: each is freed by its update. This meter counts
+each gradient from when it appears to when its update frees it, and keeps the step's peak, so a run
+can show what it held rather than what a formula predicts. Where each path sees a gradient appear:
+- the in-graph update: when the op starts (the graph frees the gradient right after it, its last use);
+- the eager hook: in the post-accumulate-grad hook (autograd runs a leaf's AccumulateGrad, and so the
+  hook, right after the node that computed the gradient, before any other node);
+- a compiled graph that returns expert gradients un-rewritten: all of them when its backward node
+  returns (a hook on that node), since every one waits there for its hook; each hook then frees one.
+The hot path is a dict lookup and integer adds: no sync, no tensor op. It never changes a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+
+class ExpertGradMeter:
+    """Expert-gradient bytes alive now, and the most alive at once in this step and the last one."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        """Bytes of expert gradients alive now."""
+        self.peak = 0
+        """The most alive at once since the last `end_step()`."""
+        self.last_peak: int | None = None
+        """The peak of the last completed step (None before the first)."""
+        self.after_graph = 0
+        """Hook updates of gradients that a compiled graph returned un-rewritten (all alive together)."""
+        self._alive: dict[int, int] = {}  # id(param) -> bytes of its gradient, while alive
+        self._returned: set[int] = set()  # ids whose gradient a compiled node returned, not yet freed
+
+    def appeared(self, param: Tensor, nbytes: int) -> None:
+        """`param`'s gradient of `nbytes` exists now (a second report before its free is ignored)."""
+        key = id(param)
+        if key in self._alive:
+            return
+        self._alive[key] = nbytes
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def returned_by_graph(self, params: Sequence[Tensor]) -> None:
+        """A compiled backward returned these parameters' gradients, all at once, for their hooks."""
+        for p in params:
+            self.appeared(p, p.numel() * p.element_size())
+            self._returned.add(id(p))
+
+    def freed(self, param: Tensor) -> None:
+        """`param`'s gradient was freed by its update."""
+        key = id(param)
+        self.live -= self._alive.pop(key, 0)
+        if key in self._returned:
+            self._returned.discard(key)
+            self.after_graph += 1
+
+    def end_step(self) -> None:
+        """Close the step: its peak becomes `last_peak`; gradients still alive start the next one."""
+        self.last_peak = self.peak
+        self.peak = self.live
+
+    def forget(self) -> None:
+        """Drop what is alive (an abandoned step's gradients were freed by `zero_grad`)."""
+        self._alive.clear()
+        self._returned.clear()
+        self.live = 0
+
+
+def meter_returned_grads(
+    compiled: Callable[..., Any],
+    param_indices: Sequence[int],
+    meter_of: Callable[[Tensor], ExpertGradMeter | None],
+) -> Callable[..., Any]:
+    """Wrap a compiled forward whose backward returns the gradients of the parameters at
+    `param_indices` (of its inputs) un-rewritten: when that backward node returns, their gradients
+    count as alive together on each one's meter (`meter_of(param)`). The parameters are read from the
+    inputs of each call, never fixed at compile time (dynamo reuses a graph for other modules)."""
+
+    def run(*args: Any) -> Any:
+        # Dynamo calls a backend's function with the inputs, or with one list of them (boxed), which
+        # the callee empties: read the parameters first.
+        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        params = [inputs[i] for i in param_indices]
+        outputs = compiled(*args)
+        node = _backward_node(outputs)
+        if node is not None:
+            node.register_hook(lambda grad_inputs, grad_outputs: _count(params, meter_of))
+        return outputs
+
+    return run
+
+
+def _count(params: list[Tensor], meter_of: Callable[[Tensor], ExpertGradMeter | None]) -> None:
+    for p in params:
+        meter = meter_of(p)
+        if meter is not None:
+            meter.returned_by_graph([p])
+
+
+def _backward_node(outputs: Any) -> Any:
+    """The compiled function's autograd node (`CompiledFunctionBackward`) behind its outputs."""
+    tensors = [
+        o for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs]) if isinstance(o, Tensor)
+    ]
+    for t in tensors:
+        node = t.grad_fn
+        # An output that is a view of another gets a view node whose next function is the compiled one.
+        for candidate in (node, *(f for f, _ in getattr(node, "next_functions", ()))):
+            if candidate is not None and type(candidate).__name__ == "CompiledFunctionBackward":
+                return candidate
+    return None
