@@ -27,6 +27,7 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.checks import check_tensor, refuse_unsupported
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
 from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
@@ -79,7 +80,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite={nonfinite!r}: expected one of {', '.join(map(repr, NONFINITE))}.")
         self._set_rules(cfg)
-        _refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation)
+        refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation)
         self.expert_rule.check_experts(expert_layers)
         self.cfg = cfg
         self.granularity = granularity
@@ -225,7 +226,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         name = self._names.get(id(param))
         if name is None:
             raise KeyError("update_expert_ got a tensor that is not one of this optimizer's experts.")
-        self._check_tensor(name, param, grad)
+        check_tensor(name, param, grad, self.state.get(param, {}))
         if self.distributed is None:
             refuse_unreduced(name, reduced)
             self._update_now(name, param, grad, path)
@@ -255,29 +256,6 @@ class SonarOptimizer(torch.optim.Optimizer):
             calls = self.expert_rule.update_slices_(param, g, state, group, found_inf=found_inf)
         self.tracker.record(name)
         self.stats.record_update(name, path, calls=calls)
-
-    def _check_tensor(self, name: str, param: Tensor, grad: Tensor) -> None:
-        if param.dtype == torch.float16:
-            raise SonarUsageError(
-                f"{name} is float16: fp16 weights need a GradScaler, whose unscale and inf check would run "
-                "after Sonar has already applied the update in backward. Train in bf16 or fp32."
-            )
-        if grad.dtype != param.dtype or grad.device != param.device:
-            raise SonarUsageError(
-                f"{name}: gradient is {grad.dtype} on {grad.device} but the parameter is {param.dtype} on "
-                f"{param.device}; Sonar updates weights in their own dtype. Keep expert weights and their "
-                "gradients in one dtype (e.g. model.to(torch.bfloat16)), without fp32 master copies."
-            )
-        moment = next(
-            (v for v in self.state.get(param, {}).values() if isinstance(v, Tensor) and v.dim()), None
-        )
-        if moment is not None and (moment.dtype, moment.device) != (param.dtype, param.device):
-            raise SonarUsageError(
-                f"{name} is now {param.dtype} on {param.device} but its optimizer state is "
-                f"{moment.dtype} on {moment.device}: the model was cast or moved "
-                "(model.half(), model.to(...)) after training started. Cast or move the model before "
-                "the first step, or load a checkpoint into a model already on its final device and dtype."
-            )
 
     def backward_began(self) -> None:
         """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
@@ -365,8 +343,9 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self.saving.end_step(
-            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph
-        )
+            compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
+            fallbacks=self.stats.fallbacks,
+        )  # fmt: skip
         self.meter.end_step()
         self.clipper.end_step()
         self.stats.end_step()
@@ -427,20 +406,6 @@ class SonarOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, with low-bit expert states rebuilt bitwise (torch would cast their scales)."""
         lowbit.load_packed_state_dict(self, state_dict, super().load_state_dict)
-
-
-def _refuse_unsupported(cfg: OptimizerConfig, expert_rule: str, granularity: str, accumulation: Any) -> None:
-    """Combinations that would train differently from what they promise, refused naming the fix."""
-    if cfg.expert_clip == "global" and accumulation is not None:
-        raise SonarUsageError(
-            "expert_clip='global' with accumulation='per_microbatch': the global norm of one micro-batch is "
-            "not the norm of the step's gradient. Use expert_clip='per_tensor' or None to accumulate."
-        )
-    if granularity == "per_expert" and expert_rule.endswith("bit"):
-        raise SonarUsageError(
-            "granularity='per_expert' with low-bit states: torchao quantizes a whole tensor in blocks, not "
-            "one expert slice at a time. Use granularity='batched' or state_bits=32."
-        )
 
 
 def _release(handles: list[Any]) -> None:
