@@ -141,26 +141,22 @@ def test_an_engine_refuses_what_it_does_not_run_before_building(engine, method, 
     build_method(method, model, cfg, execution=execution, engine=SINGLE_PROCESS)  # one process runs it
 
 
-def test_fsdp2_refuses_4bit_states_naming_why_and_what_runs():
-    with pytest.raises(
-        sonar_fx.SonarUsageError, match=r"state_bits=4 .*torchao.*state_bits=8 there, or 4 on ddp or ep"
-    ):
-        sonar_fx.prepare(
-            build_model("tiny-reference", seed=0),
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        (
             sonar_fx.AdamWConfig(lr=1e-3, state_bits=4),
-            distributed=ShardedGrads(),
-        )
-
-
-def test_engines_refuse_low_bit_dense_states_naming_what_runs():
-    with pytest.raises(
-        sonar_fx.SonarUsageError, match=r"dense_state_bits=8 is not supported .*dense_state_bits=32"
-    ):
-        sonar_fx.prepare(
-            build_model("tiny-reference", seed=0),
+            r"state_bits=4 .*torchao.*state_bits=8 there, or 4 on ddp or ep",
+        ),
+        (
             sonar_fx.AdamWConfig(lr=1e-3, dense_state_bits=8),
-            distributed=ShardedGrads(),
-        )
+            r"dense_state_bits=8 is not supported .*dense_state_bits=32",
+        ),
+    ],
+)
+def test_sharded_engines_refuse_what_nothing_verifies_naming_what_runs(cfg, match):
+    with pytest.raises(sonar_fx.SonarUsageError, match=match):
+        sonar_fx.prepare(build_model("tiny-reference", seed=0), cfg, distributed=ShardedGrads())
 
 
 @pytest.mark.parametrize(
