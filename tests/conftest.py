@@ -182,6 +182,8 @@ def _check_tier(item: pytest.Item, before: collections.Counter[str], outcome) ->
 # -------------------------------------------------------------------------------- xdist scheduling
 
 
+# tryfirst: xdist's own hook turns the xdist_group marks into node ids; marks added after it are ignored.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouping = config.pluginmanager.hasplugin("xdist")  # a GPU image may run pytest without it
     for item in items:
