@@ -19,6 +19,7 @@ Never: change a method's arithmetic; the clip rule and the optimizers are the bu
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ Experts = Iterable[nn.Parameter | str] | None
 
 
 @dataclass(frozen=True)
-class Engine:
+class Engine(ABC):
     """How methods are put on one kind of execution engine (see the module docstring); the base is
     what every engine shares, each engine overrides what it does differently."""
 
@@ -61,6 +62,7 @@ class Engine:
         """Refuse optimizer settings the engine is not verified with (`ConfigFieldError` naming the field)."""
         return None
 
+    @abstractmethod
     def sonar(
         self,
         model: nn.Module,
@@ -73,11 +75,10 @@ class Engine:
         **sonar_kwargs: Any,
     ) -> tuple[Run, SonarOptimizer]:
         """Sonar on this engine: what to call with a batch, and its optimizer."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         """A baseline's model as this engine runs it (the builder discovers experts after this)."""
-        raise NotImplementedError
 
     def expert_grad_scale(self) -> float:
         """The factor a baseline applies to its expert gradients before clipping (1.0: none)."""
@@ -152,11 +153,11 @@ class _Distributed(Engine):
         run = self._setup(model, cfg, compiler, experts, sonar_kwargs)
         return run, api.sonar_of(run)
 
+    @abstractmethod
     def _setup(
         self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
     ) -> nn.Module:
         """Sonar through the engine's `sonar_fx.distributed` entry point (`options`: its keywords)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
