@@ -125,6 +125,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         flat = [p for g in self.param_groups for p in g["params"]]
         self._order = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
         self._label = {id(p): name for p, name in zip(flat, self._labels, strict=True) if name}
+        dense = [p for p in flat if id(p) not in self._names]
+        self._dense = sorted(dense, key=lambda p: self._order[id(p)])  # the groups are fixed once built
         params = self.experts.params
         for p in params:
             registry.bind(p, self)
@@ -179,9 +181,7 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def dense_params(self) -> list[Tensor]:
         """Every dense parameter, in model order (the order the dense norm sums in)."""
-        experts = self._names
-        dense = [p for g in self.param_groups for p in g["params"] if id(p) not in experts]
-        return sorted(dense, key=lambda p: self._order[id(p)])
+        return list(self._dense)
 
     def model_order(self) -> dict[int, int]:
         """id(param) -> its position in the model's order, for every parameter this optimizer holds."""
