@@ -132,6 +132,10 @@ def train(
 ) -> tuple[nn.Module, Any, str | None]:
     """A fresh tiny model (config `overrides` applied, its experts implementation set when given)
     trained `steps` steps with `method`: (model, method, error or None); `kwargs` go to `build_method`."""
+    if compiler != "eager":
+        # Every family's forward runs through one transformers wrapper (one code object), whose dynamo
+        # recompile limit counts the graphs of every earlier run: past it, dynamo runs the model eagerly.
+        torch._dynamo.reset()
     model = build_family(model_type, seed=0, **(overrides or {}))
     if implementation is not None:
         model.set_experts_implementation(implementation)  # type: ignore[operator]

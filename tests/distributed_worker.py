@@ -7,6 +7,12 @@ process outlives its test. A worker writes what it saw to `<out>/rank<r>.json`; 
 files after every process ended (an exception in a worker fails `run`). The ranks meet through a fresh
 file in `out` (a FileStore), not a TCP port, so runs started at once by other tests or other suites on
 the machine never collide.
+
+Ranks are forked from a forkserver that imported torch, transformers and sonar_fx once (`PRELOAD`):
+a fresh interpreter spends ~10 s of CPU on those imports, once per rank and run with "spawn". A fork of
+the server starts as a spawned process would after its imports: no tensor made, no thread started,
+torch's settings at their defaults. The server starts with the first run, with the environment of that
+moment (conftest's settings).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import multiprocessing
 import time
 from pathlib import Path
 
@@ -21,6 +28,15 @@ import torch
 import torch.distributed as dist
 
 WORLD = 2
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "sonar_fx",
+    "sonar_fx.distributed",
+    "sonar_fx.models",
+]
+"""Imported once by the forkserver the ranks fork from."""
 TIMEOUT_S = 900
 """Generous: it only stops a hang, and a shared machine under load runs these many times slower (at load
 13 on two cores one DDP inductor case took 1,554 s; both together took 247 s on a quiet machine)."""
@@ -29,9 +45,10 @@ TIMEOUT_S = 900
 def run(fn_name: str, out: str, *, world: int = WORLD, timeout_s: int = TIMEOUT_S) -> None:
     """Run `fn_name(rank)` on `world` gloo processes; raise if one fails or all take over `timeout_s`."""
     store = Path(out).resolve() / f".rendezvous-{time.monotonic_ns()}"  # fresh for every run
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first run)
     context = torch.multiprocessing.start_processes(
         _entry, args=(fn_name, out, str(store), world, timeout_s), nprocs=world, join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=2):

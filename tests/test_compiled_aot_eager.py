@@ -151,6 +151,7 @@ def test_forced_compiler_failure_raises_without_fallback():
         _run_with_backend(make_sonar_backend("aot_eager", fallback=False, bw_pass=failing_pass), steps=1)
 
 
+@pytest.mark.slow  # over 10 s
 def test_activation_checkpointing_stays_exact():
     def run(method):
         torch._dynamo.reset()

@@ -1,17 +1,20 @@
 """Expert discovery finds experts by structure, whatever their names, or explains what it saw."""
 
+import hashlib
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import sonar_fx
 from sonar_fx import cli
 from sonar_fx.experts.discovery import structural_layers
 from sonar_fx.experts.report import discovery_report
-from sonar_fx.models import TINY_MODELS, build_model
+from sonar_fx.models import TINY_MODELS, build_model, families
 from sonar_fx.models.families import build_family, moe_model_types
 
 
@@ -131,7 +134,26 @@ def test_fused_2d_weights_are_taken_as_their_expert_view():
 # --- every MoE family of transformers, on the meta device ----------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", moe_model_types())
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function is test_every_family_routed_expert_is_found_and_nothing_else:
+        metafunc.parametrize("model_type", _families(metafunc.config))
+
+
+def _families(config: pytest.Config) -> list[str]:
+    """`moe_model_types()`, kept in pytest's cache: finding them builds every causal-LM config of
+    transformers, ~5 s in each collecting process. Keyed by the transformers version and the source
+    that decides (families.py), so a new transformers or a new rule finds them again."""
+    source = hashlib.sha256(Path(families.__file__).read_bytes()).hexdigest()[:16]
+    key = f"sonar_fx/moe_model_types/{transformers.__version__}/{source}"
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    found = cache.get(key, None) if cache is not None else None
+    if found is None:
+        found = list(moe_model_types())
+        if cache is not None:
+            cache.set(key, found)
+    return found
+
+
 def test_every_family_routed_expert_is_found_and_nothing_else(model_type):
     model = build_family(model_type, device="meta")
     params = dict(model.named_parameters())

@@ -255,6 +255,7 @@ def test_the_trainers_column_filter_sees_the_models_forward(tmp_path, compiler, 
     assert _columns(model, args) == expected
 
 
+@pytest.mark.slow  # over 10 s
 def test_accelerate_mixed_precision_wraps_and_unwraps_the_compiled_forward():
     """accelerate's bf16 autocast rewraps `forward.__func__` and its unwrap binds what it finds with
     MethodType: both must keep the compiled forward and the model's signature."""

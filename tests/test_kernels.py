@@ -310,7 +310,7 @@ def test_pass_finds_each_backends_weight_gradient_op(backend, monkeypatch):
     assert all(g.readers for g in found), "the weight is read in backward (dX): placement must see it"
 
 
-@pytest.mark.parametrize("backend", ["scattermoe", "sonicmoe"])
+@pytest.mark.parametrize("backend", [pytest.param("scattermoe", marks=pytest.mark.slow), "sonicmoe"])  # >10 s
 def test_compiled_sonar_is_bitwise_standard_no_expert_clip_with_the_same_backend(backend, monkeypatch):
     activate(backend, monkeypatch)
     dtype = model_dtype(backend)

@@ -1,9 +1,11 @@
 """A multi-node run, simulated on this machine: two `torchrun --nnodes 2 --nproc-per-node 1` launches (two
-"nodes", static rendezvous on 127.0.0.1), fine-tuning with `--parallel ddp` and `--parallel fsdp2`.
-Node 1 is killed in step 3 (SIGKILL, after the step-2 checkpoint; node 0 then fails on its next
-collective), both nodes resume from the checkpoint, and the final weights on every rank are bitwise
-those of an uninterrupted two-node run. The runs use the options the engines gained (expert_clip
-global and per_tensor, SGD and Lion), so their checkpoints and resumes are covered too.
+"nodes", static rendezvous on 127.0.0.1), fine-tuning with `--parallel fsdp2`. Node 1 is killed in
+step 3 (SIGKILL, after the step-2 checkpoint; node 0 then fails on its next collective), both nodes
+resume from the checkpoint, and the final weights on every rank are bitwise those of an uninterrupted
+two-node run. FSDP2 because every rank writes its own shard (`checkpoint.rank1.pt` comes from the
+other node); what differs between nodes (RANK, not LOCAL_RANK, names a rank) is the same code on
+every engine, whose resume on one node tests/test_distributed_cli.py checks. The run uses Lion and the
+per-tensor expert clip, so their checkpoint and resume are covered too.
 """
 
 from __future__ import annotations
@@ -22,10 +24,7 @@ import torch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.subprocess]
 
 TESTS = Path(__file__).parent
-FLAGS = {
-    "ddp": ["--optimizer", "sgd", "--momentum", "0.9", "--expert-clip", "global"],
-    "fsdp2": ["--optimizer", "lion", "--lr", "1e-3", "--expert-clip", "per_tensor"],
-}
+FLAGS = {"fsdp2": ["--optimizer", "lion", "--lr", "1e-3", "--expert-clip", "per_tensor"]}
 ARGS = ["--model", "tiny-reference", "--compiler", "eager", "--train-size", "16", "--held-out", "4",
         "--steps", "4", "--save-every", "2", "--no-progress", "--max-grad-norm", "0.05"]  # fmt: skip
 
@@ -94,9 +93,8 @@ def weights(out: Path, rank: int, sharded: bool) -> dict[str, torch.Tensor]:
     return torch.load(out / name, weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_two_nodes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path, engine):
-    sharded = engine == "fsdp2"
+def test_two_nodes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path):
+    engine, sharded = "fsdp2", True
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     nodes = two_nodes(straight, engine)
     assert [n.code for n in nodes] == [0, 0], nodes
