@@ -35,8 +35,9 @@ PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscop
 FAST := not slow and not multiprocess and not subprocess and not gpu
 
 # pytest exits 5 when it collects no test: report it plainly rather than fail the build on it.
+# --durations: the slowest tests in every log, so a slower suite (a cold inductor cache) shows where.
 test: lint docs
-	@rc=0; $(PYTEST) $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(PYTEST) --durations=25 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
 test-fast: $(STAMP)

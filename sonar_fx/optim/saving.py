@@ -139,7 +139,8 @@ class SavingGuard:
             cause = (
                 "the compiled forward ran, but dynamo ran the code that holds the experts eagerly (a graph "
                 "break it cannot resume from, such as one inside a loop, makes it skip the whole frame; "
-                "TORCH_LOGS=graph_breaks names it)"
+                "TORCH_LOGS=graph_breaks names it), or that code reached dynamo's recompile limit (models "
+                "of one class share it: torch._dynamo.reset() between models; TORCH_LOGS=recompiles)"
             )
         return (
             f"sonar: the model was compiled (compiler={compiler!r}), but no compiled graph computed an "
