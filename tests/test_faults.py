@@ -28,10 +28,6 @@ def _model(compiler, name="tiny-reference", **kwargs):
     return sonar_fx.compile(build_model(name, seed=0), CFG, compiler=compiler, **kwargs)
 
 
-def _layers(model):
-    return model.model.layers if hasattr(model, "model") else model.layers
-
-
 def _step(model, batch, scale=1.0):
     (model(**batch).loss * scale).backward()
     model.sonar.step()
@@ -56,7 +52,7 @@ def _same_state(a, b):
 def test_fault_mid_backward_is_reported_and_recovery_is_explicit(compiler):
     model = _model(compiler)
     fault = {"on": False}
-    inject_backward_fault(_layers(model)[0], lambda: fault["on"])
+    inject_backward_fault(model.layers[0], lambda: fault["on"])
     b0, b1, b2 = batches(3)
     _step(model, b0)
     fault["on"] = True
@@ -91,7 +87,7 @@ def test_restoring_the_last_checkpoint_after_a_fault_equals_an_uninterrupted_run
 
     model = _model("aot_eager")
     fault = {"on": False}
-    inject_backward_fault(_layers(model)[0], lambda: fault["on"])
+    inject_backward_fault(model.layers[0], lambda: fault["on"])
     _step(model, data[0])
     checkpoint = _state(model)
     fault["on"] = True
@@ -172,9 +168,9 @@ def test_a_fault_inside_a_compiled_backward_is_an_interrupted_step_as_in_eager(w
     done, and the next backward and step() name them, as in eager."""
     model = _model("aot_eager")
     if where == "module backward hook":
-        switch = inject_backward_hook_fault(_layers(model)[0])
+        switch = inject_backward_hook_fault(model.layers[0])
     else:
-        inject_graph_fault(_layers(model)[0])
+        inject_graph_fault(model.layers[0])
         switch = GRAPH_FAULT
     b0, b1, b2 = batches(3)
     _step(model, b0)

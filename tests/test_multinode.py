@@ -24,12 +24,12 @@ import torch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.subprocess]
 
 TESTS = Path(__file__).parent
-FLAGS = {"fsdp2": ["--optimizer", "lion", "--lr", "1e-3", "--expert-clip", "per_tensor"]}
+FLAGS = ["--parallel", "fsdp2", "--optimizer", "lion", "--lr", "1e-3", "--expert-clip", "per_tensor"]
 ARGS = ["--model", "tiny-reference", "--compiler", "eager", "--train-size", "16", "--held-out", "4",
         "--steps", "4", "--save-every", "2", "--no-progress", "--max-grad-norm", "0.05"]  # fmt: skip
 
 
-def two_nodes(out: Path, engine: str, *extra: str, kill_node_1_in_step: int | None = None) -> list[Node]:
+def two_nodes(out: Path, *extra: str, kill_node_1_in_step: int | None = None) -> list[Node]:
     """Launch both nodes and wait for both; returns what each did (node 0, node 1)."""
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
@@ -55,9 +55,7 @@ def two_nodes(out: Path, engine: str, *extra: str, kill_node_1_in_step: int | No
             *program,
             "finetune",
             *ARGS,
-            *FLAGS[engine],
-            "--parallel",
-            engine,
+            *FLAGS,
             "--out",
             str(out),
         ]
@@ -88,24 +86,24 @@ class Node:
     log: str
 
 
-def weights(out: Path, rank: int, sharded: bool) -> dict[str, torch.Tensor]:
-    name = "checkpoint.pt" if rank == 0 or not sharded else f"checkpoint.rank{rank}.pt"
+def weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    """Rank 0's shard is in checkpoint.pt, every other rank's in its own file."""
+    name = "checkpoint.pt" if rank == 0 else f"checkpoint.rank{rank}.pt"
     return torch.load(out / name, weights_only=True)["model"]
 
 
 def test_two_nodes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path):
-    engine, sharded = "fsdp2", True
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    nodes = two_nodes(straight, engine)
+    nodes = two_nodes(straight)
     assert [n.code for n in nodes] == [0, 0], nodes
-    nodes = two_nodes(resumed, engine, kill_node_1_in_step=3)
+    nodes = two_nodes(resumed, kill_node_1_in_step=3)
     assert nodes[0].code != 0 and nodes[1].code != 0, nodes  # node 1 killed, node 0 lost its peer
-    at_2 = [weights(resumed, r, sharded) for r in (0, 1)]
-    nodes = two_nodes(resumed, engine, "--resume")
+    at_2 = [weights(resumed, r) for r in (0, 1)]
+    nodes = two_nodes(resumed, "--resume")
     assert [n.code for n in nodes] == [0, 0], nodes
     assert json.loads((resumed / "summary.json").read_text())["resumed_from_step"] == 2
     for rank in (0, 1):
-        final, reference = weights(resumed, rank, sharded), weights(straight, rank, sharded)
+        final, reference = weights(resumed, rank), weights(straight, rank)
         assert [k for k in reference if not torch.equal(reference[k], final[k])] == [], rank
         assert any(not torch.equal(at_2[rank][k], final[k]) for k in final), (
             rank
