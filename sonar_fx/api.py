@@ -19,8 +19,9 @@ from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
+from sonar_fx.optim.defer_eager import register_defer_hooks
 from sonar_fx.optim.matrices import matrix_params
-from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, SonarOptimizer
+from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, Schedule, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
 from sonar_fx.optim.saving import OnSavingLost
 from sonar_fx.optim.step_tracker import mark_backward_root
@@ -41,6 +42,7 @@ def prepare(
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     distributed: GradReduction | None = None,
     on_saving_lost: OnSavingLost | None = None,
+    schedule: Schedule = "in_backward",
 ) -> SonarOptimizer:
     """Build the `SonarOptimizer` for `model` (it binds the expert tensors and hooks them) and set
     `model.sonar`. `nonfinite` says what an inf/NaN gradient does: "raise" (default; the tensor is left
@@ -50,11 +52,16 @@ def prepare(
     `on_saving_lost`: a compiled backward graph that returns expert gradients instead of updating them
     (so no memory is saved for them) warns ("warn") or raises `SavingLostError` ("raise"); default: the
     environment variable SONAR_FX_ON_SAVING_LOST, else "warn".
+    `schedule="deferred"` keeps, in backward, the operands of each expert weight gradient instead of
+    updating, and computes and applies each expert gradient at `step()`: exact all-parameter clipping
+    (expert_clip="global" with a plain `loss.backward(); opt.step()`), gradient accumulation over any
+    number of backwards, and GradScaler; it saves memory under `compile` (aot_eager, inductor), where
+    the graph pass hands the operands over (docs/modes.md).
     `distributed` is set by `sonar_fx.distributed` (how expert gradients are reduced across ranks)."""
     return _prepare(
         model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler="eager",
-        on_saving_lost=on_saving_lost,
+        on_saving_lost=on_saving_lost, schedule=schedule,
     )  # fmt: skip
 
 
@@ -70,6 +77,7 @@ def _prepare(
     distributed: GradReduction | None,
     compiler: str,
     on_saving_lost: OnSavingLost | None,
+    schedule: Schedule = "in_backward",
 ) -> SonarOptimizer:
     if not isinstance(opt_cfg, tuple(OPTIMIZER_CONFIGS.values())):
         raise TypeError(
@@ -92,18 +100,20 @@ def _prepare(
     if distributed is None:
         _refuse_gradient_reducing_wrappers(model, found)
     else:
-        _refuse_untested_distributed(opt_cfg, distributed)
+        _refuse_untested_distributed(opt_cfg, distributed, schedule)
     _check_dtypes_and_devices(found)
     split = found.split(model)
     optimizer = SonarOptimizer(
         split.dense_params, found.layers, opt_cfg, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, dense_names=[n for n, _ in split.dense], param_order=split.params,
         compiler=compiler, distributed=distributed, matrices=matrix_params(opt_cfg, model, found.layers),
-        on_saving_lost=on_saving_lost,
+        on_saving_lost=on_saving_lost, schedule=schedule,
     )  # fmt: skip
     optimizer.untracked = UntrackedGradients(model)
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     model.register_forward_hook(mark_backward_root)  # where each backward begins, for the step tracker
+    if schedule == "deferred":  # eager forwards keep their GEMM operands; compiled ones get the pass
+        register_defer_hooks(model.get_submodule(layer.name) for layer in found.layers)
     return optimizer
 
 
@@ -129,6 +139,7 @@ def compile(
     expert_biases: ExpertBiases = DEFAULT_EXPERT_BIASES,
     distributed: GradReduction | None = None,
     on_saving_lost: OnSavingLost | None = None,
+    schedule: Schedule = "in_backward",
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Sonar-MoE training for `model`: returns `model` itself, compiled in place; its optimizer is `.sonar`.
@@ -139,7 +150,8 @@ def compile(
     block that holds experts instead of the whole model: one graph, compiled once and reused for all L
     blocks, so compile time stays flat in depth. With `fallback=True` a compiler failure warns once and
     training continues on the hooks; with `fallback=False` it raises. `on_saving_lost` (see `prepare`)
-    says what a compiled graph that leaves expert gradients to the hooks does. The model keeps its
+    says what a compiled graph that leaves expert gradients to the hooks does; `schedule` (see
+    `prepare`): "deferred" for exact all-parameter clipping, accumulation and GradScaler. The model keeps its
     class, signature and `state_dict()` keys.
     """
     if compiler not in COMPILERS:
@@ -147,7 +159,7 @@ def compile(
     optimizer = _prepare(
         model, opt_cfg, experts=experts, granularity=granularity, accumulation=accumulation,
         nonfinite=nonfinite, expert_biases=expert_biases, distributed=distributed, compiler=compiler,
-        on_saving_lost=on_saving_lost,
+        on_saving_lost=on_saving_lost, schedule=schedule,
     )  # fmt: skip
     if compiler == "eager":
         return model
@@ -194,12 +206,22 @@ DTENSOR_ENGINES = ("fsdp2", "fsdp2_ep")
 """Engines whose expert tensors and states are DTensor shards (FSDP2)."""
 
 
-def distributed_gap(opt_cfg: OptimizerConfig, engine: str) -> tuple[str, str] | None:
+def distributed_gap(
+    opt_cfg: OptimizerConfig, engine: str, schedule: str = "in_backward"
+) -> tuple[str, str] | None:
     """The first setting of `opt_cfg` that the distributed engine `engine` (its `--parallel` or reduction
     name) does not run, as (field, why), or None. The one rule: `prepare` and `sonar_fx.engines` ask it.
     4-bit states on DTensor shards are refused: torchao's own 4-bit optimizer fails on them (torch 2.13,
     torchao 0.18: its compiled kernel asserts "wrong number of dimensions" on FSDP2 shards), so there
-    is no twin to be exact against. Muon on DTensor shards: `sharded_matrices_gap`."""
+    is no twin to be exact against. Muon on DTensor shards: `sharded_matrices_gap`. The deferred
+    schedule runs in one process: its kept operands are each rank's own, and no engine yet reduces the
+    gradients computed from them at step()."""
+    if schedule == "deferred":
+        return "schedule", (
+            f"schedule='deferred' is not supported on the {engine} engine yet: each rank keeps its own "
+            "operands and nothing reduces the expert gradients computed from them at step(); use the "
+            "default schedule (in-backward updates) there"
+        )
     sharded = sharded_matrices_gap(opt_cfg) if engine in DTENSOR_ENGINES else None
     if sharded is not None:
         return "parallel", sharded.rstrip(".")
@@ -233,8 +255,8 @@ def sharded_matrices_gap(opt_cfg: OptimizerConfig) -> str | None:
     )
 
 
-def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction) -> None:
-    gap = distributed_gap(opt_cfg, distributed.name)
+def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradReduction, schedule: str) -> None:
+    gap = distributed_gap(opt_cfg, distributed.name, schedule)
     if gap is not None:
         raise SonarUsageError(gap[1] + ".")
 

@@ -39,6 +39,7 @@ import sonar_fx.runtime
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.optim.saving import LostGradient
 from sonar_fx.passes import insert_updates
+from sonar_fx.passes.defer_grads import expert_defer_pass
 from sonar_fx.passes.find_expert_grads import returned_expert_grads
 from sonar_fx.passes.insert_updates import expert_update_pass
 from sonar_fx.passes.reduce_grads import GraphReduce
@@ -70,13 +71,16 @@ class SonarPartitioner(CustomPartitionerFn):
         bw_pass: BackwardPass = expert_update_pass,
         reduce: GraphReduce | None = None,
         save_params: bool = True,
+        bw_knobs: dict[str, Any] | None = None,
     ) -> None:
-        """`save_params=False` is the ablation that leaves an expert whose weight the partition did not
-        save to the hooks (as before `save_expert_params` existed)."""
+        """`bw_knobs`: keyword arguments for `bw_pass`. `save_params=False` is the ablation that leaves
+        an expert whose weight the partition did not save to the hooks (as before `save_expert_params`
+        existed)."""
         self.expert_inputs = frozenset(expert_inputs)
         self.bw_pass = bw_pass
         self.reduce = reduce
         self.save_params = save_params
+        self.bw_knobs = dict(bw_knobs or {})
         self.ran = False  # an inference graph (no grad needed) is never partitioned
         self.inserted = 0
         self.nested = 0
@@ -97,6 +101,7 @@ class SonarPartitioner(CustomPartitionerFn):
         if self.save_params:
             save_expert_params(fw_gm, bw_gm, self.expert_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
         knobs = {"reduce": self.reduce} if self.reduce is not None else {}
+        knobs.update(self.bw_knobs)
         bw_gm = self.bw_pass(bw_gm, fw_gm=fw_gm, expert_inputs=self.expert_inputs, **knobs)
         self.inserted += len(bw_gm.meta["sonar_updates"])
         self.returned += returned_expert_grads(bw_gm, self.expert_inputs)
@@ -105,6 +110,7 @@ class SonarPartitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         bw_pass = f"{self.bw_pass.__module__}.{self.bw_pass.__qualname__}"
         knobs = f"{sorted(self.expert_inputs)}|{bw_pass}|{self.reduce}|{self.save_params}"
+        knobs += f"|{sorted(self.bw_knobs.items())}"
         return get_hash_for_files(_SOURCES, knobs).hex()
 
 
@@ -139,7 +145,10 @@ def make_sonar_backend(
         reduction = optimizer.distributed if optimizer is not None else None
         if reduction is not None and reduction.in_graph == "hooks":
             owners = {}  # the engine reduces after the graph returns: the hooks update
-        partitioner = SonarPartitioner(owners, bw_pass=bw_pass, reduce=reduce, save_params=save_params)
+        chosen, knobs = schedule_pass(optimizer, bw_pass, compiler)
+        partitioner = SonarPartitioner(
+            owners, bw_pass=chosen, reduce=reduce, save_params=save_params, bw_knobs=knobs
+        )
         cache_hits = _aot_cache_hits()
         try:
             patches = _inductor_patches(compiler, mode, options)
@@ -158,6 +167,16 @@ def make_sonar_backend(
         return meter_returned_grads(compiled, [i for i, _ in partitioner.returned], meter_of)
 
     return backend
+
+
+def schedule_pass(
+    optimizer: SonarOptimizer | None, bw_pass: BackwardPass, compiler: str
+) -> tuple[BackwardPass, dict[str, Any]]:
+    """The backward pass for the owner's schedule: the deferred schedule hands operands over instead of
+    updating (its op copies them under inductor, which reuses buffers it considers dead)."""
+    if optimizer is None or optimizer.schedule != "deferred" or bw_pass is not expert_update_pass:
+        return bw_pass, {}
+    return expert_defer_pass, {"own_operands": compiler == "inductor"}
 
 
 def guard_saving(

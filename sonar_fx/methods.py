@@ -7,7 +7,9 @@ like with like:
 - standard_no_expert_clip: the same, clipping only the dense gradients (the exact twin of sonar with
   expert_clip=None), and each expert gradient by its own norm under expert_clip="per_tensor";
 - oib_all: every parameter updated in its own post-accumulate-grad hook, no clipping;
-- sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation).
+- sonar / sonar_per_expert: `sonar_fx.compile` (batched, or the per-expert ablation);
+- sonar_deferred: `sonar_fx.compile(schedule="deferred")`: expert gradients computed at step() from
+  operands kept in backward (exact all-parameter clipping and accumulation).
 What a method is (Sonar or not, which gradients it clips) is its `Method`, looked up by name; the
 string tests on names live nowhere else. The optimizer is the config's (AdamW, Adam, SGD, Lion, Muon):
 baselines use torch's fused optimizer for it (`rules.end_of_step_optimizer`; Lion: the reference
@@ -21,7 +23,7 @@ every method on every engine. Never: change a method's arithmetic with the execu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -33,7 +35,7 @@ from sonar_fx.config import ConfigFieldError, ExpertClip, OptimizerConfig
 from sonar_fx.engines import SINGLE_PROCESS, Engine
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertSet, Split
 from sonar_fx.optim.matrices import matrix_params
-from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
+from sonar_fx.optim.optimizer import Granularity, Schedule, SonarOptimizer
 from sonar_fx.optim.rules import end_of_step_optimizer, rule_for
 
 
@@ -97,6 +99,8 @@ class Method:
     """Sonar: one update per expert tensor ("batched") or per expert slice (the ablation)."""
     per_param_hooks: bool = False
     """Every parameter updated in its own post-accumulate-grad hook (oib_all)."""
+    schedule: Schedule = "in_backward"
+    """Sonar: experts updated in backward, or at step() from kept operands ("deferred")."""
 
     @classmethod
     def named(cls, name: str) -> Method:
@@ -143,6 +147,7 @@ METHOD_KINDS: dict[str, Method] = {
         Method(
             "sonar_per_expert", clip="dense", expert_clips=_ANY_CLIP, sonar=True, granularity="per_expert"
         ),
+        Method("sonar_deferred", clip="dense", expert_clips=_ANY_CLIP, sonar=True, schedule="deferred"),
     )
 }
 METHODS = tuple(METHOD_KINDS)
@@ -225,8 +230,12 @@ class TrainingMethod:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, batch: Mapping[str, Tensor]) -> Tensor:
-        loss = self.forward_backward(batch)
+    def train_step(self, batch: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]]) -> Tensor:
+        """One optimizer step on `batch`, or on each of a list of micro-batches (their gradients
+        accumulated; the loss returned is the last one's)."""
+        micro = [batch] if isinstance(batch, Mapping) else list(batch)
+        for b in micro:
+            loss = self.forward_backward(b)
         self.optimizer_step()
         return loss
 
@@ -263,6 +272,8 @@ def build_method(
     check_engine(engine, kind, execution)
     engine.check_optimizer(cfg)
     if kind.sonar:
+        if kind.schedule != "in_backward":
+            sonar_kwargs["schedule"] = kind.schedule
         run, sonar = engine.sonar(
             model, cfg, compiler=execution.compiler, sonar_pass=execution.sonar_pass,
             granularity=kind.granularity, experts=experts, **sonar_kwargs,

@@ -14,8 +14,19 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 
 
-def refuse_unsupported(cfg: OptimizerConfig, expert_rule: str, granularity: str, accumulation: Any) -> None:
+def refuse_unsupported(
+    cfg: OptimizerConfig,
+    expert_rule: str,
+    granularity: str,
+    accumulation: Any,
+    schedule: str = "in_backward",
+) -> None:
     """Combinations that would train differently from what they promise, refused naming the fix."""
+    if schedule == "deferred" and accumulation is not None:
+        raise SonarUsageError(
+            "schedule='deferred' with accumulation='per_microbatch': the deferred schedule accumulates "
+            "exactly, any number of backwards per step, as standard training does. Drop accumulation=."
+        )
     if cfg.expert_clip == "global" and accumulation is not None:
         raise SonarUsageError(
             "expert_clip='global' with accumulation='per_microbatch': the global norm of one micro-batch is "

@@ -25,9 +25,10 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
-from sonar_fx.optim import global_clip, lowbit
+from sonar_fx.optim import deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import check_tensor, refuse_unsupported
+from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
 from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
@@ -41,8 +42,10 @@ from sonar_fx.runtime import hooks, registry
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 Granularity = Literal["batched", "per_expert"]
+Schedule = Literal["in_backward", "deferred"]
+SCHEDULES = ("in_backward", "deferred")
 
-__all__ = ["NONFINITE", "Accumulation", "Granularity", "NonFinite", "SonarOptimizer"]
+__all__ = ["NONFINITE", "SCHEDULES", "Accumulation", "Granularity", "NonFinite", "Schedule", "SonarOptimizer"]
 
 
 class SonarOptimizer(torch.optim.Optimizer):
@@ -63,6 +66,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         distributed: GradReduction | None = None,
         matrices: Sequence[nn.Parameter] = (),
         on_saving_lost: OnSavingLost | None = None,
+        schedule: Schedule = "in_backward",
     ) -> None:
         """`dense_names`: the model's names of `dense_params`, for messages. `param_order`: every
         trainable parameter in the model's order (`model.parameters()`), the order in which
@@ -72,20 +76,25 @@ class SonarOptimizer(torch.optim.Optimizer):
         (None: one process); `sonar_fx.distributed` passes it. `matrices`: the dense tensors a config
         with a matrix rule (Muon) updates as hidden matrices (`sonar_fx.optim.matrices.matrix_params`).
         `on_saving_lost`: what a compiled graph that returns expert gradients un-rewritten does ("warn"
-        or "raise"; see `sonar_fx.optim.saving`)."""
+        or "raise"; see `sonar_fx.optim.saving`). `schedule`: "in_backward" (each expert updated in
+        backward) or "deferred" (each expert's gradient computed and applied at `step()` from operands
+        kept in backward: `sonar_fx.optim.deferred`)."""
         if granularity not in ("batched", "per_expert"):
             raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
         if accumulation not in (None, "per_microbatch"):
             raise ValueError(f"accumulation={accumulation!r}: expected None or 'per_microbatch'.")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite={nonfinite!r}: expected one of {', '.join(map(repr, NONFINITE))}.")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected 'in_backward' or 'deferred'.")
         self._set_rules(cfg)
-        refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation)
+        refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation, schedule)
         self.expert_rule.check_experts(expert_layers)
         self.cfg = cfg
         self.granularity = granularity
         self.accumulation = accumulation
         self.nonfinite = nonfinite
+        self.schedule = schedule
         self.experts = ExpertSet(tuple(expert_layers))
         self.stats = SonarStats()
         self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
@@ -118,6 +127,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Own the expert tensors: registry entries and hooks, both released when self is collected."""
         self.tracker = StepTracker(self.accumulation)
         self.meter = ExpertGradMeter()
+        self.deferred = DeferredGrads()
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
@@ -144,6 +154,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             "granularity",
             "accumulation",
             "nonfinite",
+            "schedule",
             "experts",
             "stats",
             "saving",
@@ -237,6 +248,25 @@ class SonarOptimizer(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
+    def defer_expert_(self, param: Tensor, recipe: str, operands: list[Tensor]) -> None:
+        """Keep one backward's operands of `param`'s weight gradient for `step()` (the deferred
+        schedule's graph op calls this; `sonar_fx.optim.deferred`)."""
+        name = self._names.get(id(param))
+        if name is None:
+            raise KeyError("defer_expert_ got a tensor that is not one of this optimizer's experts.")
+        if self.schedule != "deferred":
+            raise SonarUsageError(
+                f"{name}: a graph compiled for schedule='deferred' ran for a model prepared with "
+                f"schedule={self.schedule!r} (a graph dynamo reused across models of one class). Prepare "
+                "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
+            )
+        self.deferred.add(param, name, recipe, operands)
+
+    def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None:
+        """Update `param` at `step()` with its whole-step gradient (ours: clipped in place)."""
+        self._update_now(name, param, grad, path)
+
+    @torch.no_grad()
     def _update_now(self, name: str, param: Tensor, grad: Tensor, path: str) -> None:
         # After the reduction: the norm pass of expert_clip="global" records the reduced gradient's norm.
         if global_clip.norm_pass(self, name, param, grad):
@@ -247,7 +277,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         norm = self.clipper.norm_of(name, g)
         found_inf = self.nonfinite_policy.flag(name, grad, norm)
         # A hook's gradient is param.grad, freed right after: ours to scale in place, as is a copy.
-        g = self.clipper.clip(name, g, owned=g is not grad or path == "hook")
+        g = self.clipper.clip(name, g, owned=g is not grad or path in ("hook", "deferred", "kept"))
         group, state = self.expert_group, self._state(param, expert=name)
         if self.granularity == "batched":
             self.expert_rule.update_([param], [g], [state], group, found_inf=found_inf)
@@ -282,8 +312,19 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.untracked is not None:
             self.untracked.check(p for group in self.param_groups for p in group["params"])
         self.tracker.before_step()
+        if self.schedule == "deferred":
+            deferred.step(self)
+            return
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
+            return
+        self.dense_step()
+        self._end_step()
+
+    def dense_step(self) -> None:
+        """The dense half of `step()`: the dense (or, under expert_clip="global", total) norm, the
+        non-finite check, clipping and the update of every dense group."""
+        if self.clipper.skip_step:
             return
         params = [p for p in self.dense_params() if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
@@ -302,7 +343,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             for p in params:
                 p.grad = None
             self._forget_fresh_states(skipped)
-            self._end_step()
+            self.clipper.skip_step = True
             return
         clip_by = norms.total if self.cfg.expert_clip == "global" else norms.dense
         if self.cfg.clips and clip_by is not None and grads:
@@ -311,13 +352,12 @@ class SonarOptimizer(torch.optim.Optimizer):
             stepped = [p for p in group["params"] if p.grad is not None]
             states = [self._state(p, rule=rule) for p in stepped]
             rule.update_(stepped, [p.grad for p in stepped], states, group)
-        self._end_step()
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
         """Backward for this optimizer's step; returns the loss, detached. `loss` is the loss, or a
         closure that computes it (a forward), which expert_clip="global" needs: it runs forward and
         backward twice, exactly (`sonar_fx.optim.global_clip`)."""
-        if self.cfg.expert_clip == "global":
+        if self.cfg.expert_clip == "global" and self.schedule != "deferred":
             return global_clip.backward(self, loss)
         out = loss() if callable(loss) else loss
         out.backward()
@@ -341,12 +381,21 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._forget_step()
         return updated
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
+        super().zero_grad(set_to_none)
+        self.deferred.clear()
+
+    def end_step(self) -> None:
+        self._end_step()
+
     def _end_step(self) -> None:
         self.saving.end_step(
             compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
             fallbacks=self.stats.fallbacks,
         )  # fmt: skip
         self.meter.end_step()
+        self.deferred.end_step()
         self.clipper.end_step()
         self.stats.end_step()
         self._forget_step()
@@ -385,12 +434,15 @@ class SonarOptimizer(torch.optim.Optimizer):
             "grad_norms": self.grad_norms(),
             "compiler": self.compiler,
             "nonfinite": self.nonfinite,
+            "schedule": self.schedule,
         }
         saving = {
             **self.saving.report(),
             "updates_after_graph": self.meter.after_graph,
             "expert_grad_bytes": expert_grad_bytes(self.meter, self.expert_layers),
         }
+        if self.schedule == "deferred":
+            saving["deferred"] = self.deferred.report()
         return report(settings, self.stats, self.tracker, saving)
 
     def grad_norms(self) -> dict[str, Any]:

@@ -21,6 +21,8 @@ def report(
         **settings,
         "updates_in_graph": s.updates["graph"],
         "updates_by_hook": s.updates["hook"],
+        "updates_deferred": s.updates["deferred"],
+        "updates_kept_whole": s.updates["kept"],
         "update_calls": s.update_calls,
         "graphs_compiled": s.graphs_compiled,
         "graphs_from_cache": s.graphs_from_cache,

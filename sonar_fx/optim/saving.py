@@ -116,7 +116,8 @@ class SavingGuard:
         `fallbacks`: the causes of compile fallbacks so far (`report()["fallbacks"]`)."""
         returned = after_graph > self._after_graph
         self._after_graph = after_graph
-        uncompiled = compiler != "eager" and paths and "graph" not in paths.values() and not returned
+        in_graph = {"graph", "deferred"} & set(paths.values())
+        uncompiled = compiler != "eager" and paths and not in_graph and not returned
         if uncompiled and not self._warned_uncompiled:
             self._warned_uncompiled = True
             warnings.warn(self._uncompiled_message(compiler, len(paths), fallbacks), stacklevel=4)

@@ -12,7 +12,8 @@ class SonarStats:
     """Counters the optimizer and the backend record through the methods below; `report()` reads them."""
 
     updates: Counter[str] = field(default_factory=Counter)
-    """Expert updates so far, by path ("graph" or "hook")."""
+    """Expert updates so far, by path: "graph", "hook", or at step() under the deferred schedule,
+    "deferred" (from kept operands) or "kept" (from a gradient kept whole)."""
     update_calls: int = 0
     """Calls into the fused kernel (2L per step batched, 2EL per expert)."""
     graphs_compiled: int = 0

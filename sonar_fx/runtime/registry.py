@@ -24,6 +24,8 @@ class ExpertOwner(Protocol):
 
     def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None: ...
 
+    def defer_expert_(self, param: Tensor, recipe: str, operands: list[Tensor]) -> None: ...
+
 
 class UnboundExpertError(RuntimeError):
     """A gradient reached an in-backward update for a tensor that no live Sonar optimizer owns."""

@@ -1,0 +1,129 @@
+"""The deferred-schedule backward pass: keep each expert weight gradient's operands, not the gradient.
+
+Before (one MoE layer's down projection):
+
+    dw   = aten._grouped_mm(h_T, dy, offs)        # weight gradient (a layer's worth of memory)
+    dx   = aten._grouped_mm(dy, w_T, offs)        # input gradient, reads the weight
+    g    = transpose(dw)
+    return (..., g, ...)
+
+After:
+
+    dx   = aten._grouped_mm(dy, w_T, offs)
+    token = aten.empty([0])
+    sonar_fx.expert_defer_(token, [h_T, dy, offs], [w_T], recipe, own)  # "_grouped_mm, transpose"
+    return (..., None, ...)
+
+The op hands the operands (copies that own their storage when `own`: inductor may reuse a buffer it
+thinks dead) to the expert's optimizer, which computes the gradient at `step()` with the same ops on
+the same operands, when the whole step's facts (all micro-batches, the global norm, a GradScaler's
+verdict) are known. The weight-gradient node is removed when nothing else reads it, so a backward
+computes no expert weight gradient at all. A producer that cannot be written as a recipe keeps its
+gradient output (the optimizer then keeps that gradient until `step()`, as standard training does).
+Counters in `torch._dynamo.utils.counters["sonar"]`: "deferred", "kept:<producer kind>".
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+from torch.fx import GraphModule, Node
+
+from sonar_fx.passes.find_expert_grads import find_expert_grads
+from sonar_fx.passes.graph_utils import node_order
+from sonar_fx.passes.insert_updates import last_reader
+from sonar_fx.passes.recipe import NotRerunnable, build_recipe
+
+DEFER_OP_NAME = "sonar_fx::expert_defer_"
+_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
+
+
+def expert_defer_pass(
+    bw_gm: GraphModule,
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    fw_gm: GraphModule,
+    expert_inputs: Collection[int],
+    own_operands: bool = True,
+) -> GraphModule:
+    """Replace each expert gradient output of `bw_gm` by one `sonar_fx::expert_defer_`; return it.
+
+    `own_operands`: the op copies its operands (needed under inductor, whose generated code reuses
+    the storage of buffers it considers dead; aot_eager runs the graph as written)."""
+    grads = find_expert_grads(fw_gm, bw_gm, expert_inputs)
+    (output,) = bw_gm.graph.find_nodes(op="output")
+    returned = list(output.args[0])
+    order = node_order(bw_gm.graph)
+    inserted = []
+    for eg in grads:
+        if not eg.aliases:
+            counters["sonar"]["left_to_hooks"] += 1
+            continue
+        try:
+            recipe, operands = build_recipe(eg.producer, eg.grad)
+        except NotRerunnable:
+            counters["sonar"][f"kept:{eg.kind}"] += 1
+            continue
+        anchor = last_reader(eg, order)
+        with bw_gm.graph.inserting_after(anchor):
+            token = _token(bw_gm, eg.aliases[0])
+        with bw_gm.graph.inserting_after(token):
+            node = bw_gm.graph.call_function(
+                defer_op(), (token, operands, list(eg.aliases), recipe.to_json(), own_operands)
+            )
+        node.meta = {k: eg.producer.meta[k] for k in _META_KEYS if k in eg.producer.meta}
+        node.meta["val"] = None
+        returned[eg.input_index] = None
+        inserted.append((eg.input_index, eg.kind))
+        counters["sonar"]["deferred"] += 1
+        counters["sonar"][f"kind:{eg.kind}"] += 1
+    output.args = (tuple(returned),)
+    for eg in grads:
+        if returned[eg.input_index] is None:
+            _erase_unused_chain(eg.grad, eg.producer)
+    bw_gm.graph.lint()
+    bw_gm.recompile()
+    counters["sonar"]["graphs"] += 1
+    bw_gm.meta["sonar_updates"] = inserted  # plain data: rewritten expert outputs, as the update pass
+    return bw_gm
+
+
+def _token(bw_gm: GraphModule, like: Node) -> Node:
+    """A fresh empty tensor for the defer op to name as mutated (see `sonar_fx.runtime.defer_op`)."""
+    val = like.meta["val"]
+    node = bw_gm.graph.call_function(
+        torch.ops.aten.empty.memory_format, ([0],), {"dtype": torch.uint8, "device": val.device}
+    )
+    with val.fake_mode:
+        node.meta["val"] = torch.empty(0, dtype=torch.uint8, device=val.device)
+    return node
+
+
+def _erase_unused_chain(grad: Node, producer: Node) -> None:
+    """Drop the gradient's view chain and its producer (and a multi-output op behind a getitem) where
+    nothing else reads them: the backward then never computes that weight gradient."""
+    chain = []
+    node = grad
+    while node is not producer:
+        chain.append(node)
+        node = node.args[0]  # type: ignore[assignment]
+    chain.append(producer)
+    if producer.target is operator.getitem:
+        chain.append(producer.args[0])  # type: ignore[arg-type]
+    for node in chain:
+        if node.users:
+            return
+        node.graph.erase_node(node)
+
+
+def defer_op() -> torch._ops.OpOverload:
+    """The defer op, by name: registered by `sonar_fx.runtime`, which this package never imports."""
+    namespace, name = DEFER_OP_NAME.split("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), name).default
+    except AttributeError:
+        raise RuntimeError(f"{DEFER_OP_NAME} is not registered: import sonar_fx.runtime first.") from None

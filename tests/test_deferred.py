@@ -1,0 +1,240 @@
+"""The deferred schedule: exact end-of-step semantics (all-parameter clip, accumulation, GradScaler)
+against plain torch written here, with expert gradients computed at step() from kept operands.
+
+The twin is plain torch: `AdamW(fused=True)` over [dense, experts] groups, `clip_grad_norm_` over every
+parameter (or the dense ones), `torch.amp.GradScaler`. Every comparison is `torch.equal` on every
+parameter after 3 steps with the clip active on each step (the norm is checked to exceed it).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import sonar_fx
+from sonar_fx.errors import SonarUsageError
+from sonar_fx.models import build_model
+
+from helpers import CFG, assert_same_weights, batches
+
+MAX_NORM = 0.05  # below every step's total norm on these models: the clip is active on each step
+
+
+def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
+    return replace(CFG, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
+
+
+class Twin:
+    """Plain torch for the same model: fused AdamW over [dense, experts], clip over `clip`."""
+
+    def __init__(self, model: torch.nn.Module, expert_names: set[str], clip: str, compiler: str) -> None:
+        params = dict(model.named_parameters())
+        self.dense = [p for n, p in params.items() if n not in expert_names]
+        self.all = list(params.values())
+        self.clip = clip
+        experts = [p for n, p in params.items() if n in expert_names]
+        self.opt = torch.optim.AdamW(
+            [dict(params=self.dense), dict(params=experts)],
+            lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+        )  # fmt: skip
+        self.run = model if compiler == "eager" else torch.compile(model, backend=compiler)
+
+    def clip_(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.all if self.clip == "all" else self.dense, MAX_NORM)
+
+    def step(self) -> None:
+        self.clip_()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def pair(compiler: str, dtype: torch.dtype, clip: str, model_name: str = "tiny-olmoe"):
+    model = build_model(model_name, dtype=dtype, seed=0)
+    twin_model = copy.deepcopy(model)
+    sonar_fx.compile(model, cfg_for(clip), compiler=compiler, schedule="deferred")
+    opt = model.sonar
+    names = {opt.expert_name(p) for p in opt.expert_group["params"]}
+    return model, opt, twin_model, Twin(twin_model, names, clip, compiler)
+
+
+def run_steps(model, opt, twin: Twin, accum: int, steps: int = 3) -> list[float]:
+    totals = []
+    data = batches(steps * accum)
+    for s in range(steps):
+        for b in data[s * accum : (s + 1) * accum]:
+            model(**b).loss.backward()  # a plain loop: no closure, no declared accumulation count
+            twin.run(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        twin.step()
+        norms = opt.grad_norms()
+        totals.append(norms["total"] if norms["total"] is not None else norms["dense"])
+    return totals
+
+
+CASES = [(1, "all"), (4, "all"), (4, "dense")]
+
+
+@pytest.mark.parametrize(("accum", "clip"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_deferred_is_plain_torch(dtype, accum, clip):
+    model, opt, twin_model, twin = pair("eager", dtype, clip)
+    totals = run_steps(model, opt, twin, accum)
+    assert all(t > MAX_NORM for t in totals), totals  # the clip was active on every step
+    assert_same_weights(model, twin_model)
+    deferred = opt.report()["deferred"]
+    assert deferred["kept_whole"] == [], deferred  # every expert gradient came from kept operands
+    assert opt.report()["updates_deferred"] == 12
+
+
+@pytest.mark.parametrize(("accum", "clip"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aot_eager_deferred_is_plain_torch(dtype, accum, clip):
+    counters.clear()
+    model, opt, twin_model, twin = pair("aot_eager", dtype, clip)
+    totals = run_steps(model, opt, twin, accum)
+    assert all(t > MAX_NORM for t in totals), totals
+    assert_same_weights(model, twin_model)
+    assert counters["sonar"]["deferred"] == 4  # every expert output rewritten in the one graph
+    assert opt.report()["deferred"]["kept_whole"] == []
+    assert opt.report()["updates_deferred"] == 12
+
+
+def test_negative_control_dense_only_twin_differs():
+    """The all-parameter twin is not trivially equal: clipping only the dense gradients differs."""
+    model, opt, twin_model, _ = pair("eager", torch.float32, "all")
+    names = {opt.expert_name(p) for p in opt.expert_group["params"]}
+    run_steps(model, opt, Twin(twin_model, names, "dense", "eager"), accum=1)
+    pa, pb = dict(model.named_parameters()), dict(twin_model.named_parameters())
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])]
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_grad_scaler_fp16_autocast_with_overflowing_steps(compiler):
+    """fp16 CPU autocast, fp32 weights, the ordinary scaler loop: a scale that grows into overflow
+    every other step, so steps are skipped and the scale backs off exactly as in plain torch."""
+    model, opt, twin_model, twin = pair(compiler, torch.float32, "all")
+    kw = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
+    ours, theirs = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    scales = []
+    for b in batches(5):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**b).loss
+        ours.scale(loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = twin.run(**b).loss
+        theirs.scale(loss).backward()
+        theirs.unscale_(twin.opt)
+        twin.clip_()
+        theirs.step(twin.opt)
+        theirs.update()
+        twin.opt.zero_grad()
+        scales.append((ours.get_scale(), theirs.get_scale()))
+    assert all(a == b for a, b in scales), scales
+    assert len({s for s, _ in scales}) > 1  # some steps overflowed and some stepped
+    assert_same_weights(model, twin_model)
+
+
+def test_an_inf_only_in_an_expert_gradient_skips_the_step_and_backs_off():
+    """The scaler's own check sees only dense gradients; an inf in a deferred expert gradient must
+    reach its verdict: no weight or state moves, and update() backs off."""
+    model, opt, _, _ = pair("eager", torch.float32, "dense")
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scaler.scale(model(**batches(1)[0]).loss).backward()
+    kept = next(iter(opt.deferred.kept.values()))[0]
+    kept.operands[1].fill_(float("inf"))  # dy of one expert GEMM
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not opt.state
+
+
+def test_compiled_model_called_twice_before_one_backward():
+    """Two forwards, one backward (DPO's chosen and rejected): each call keeps its operands."""
+    model, opt, twin_model, twin = pair("aot_eager", torch.bfloat16, "all")
+    data = batches(6)
+    for s in range(3):
+        a, b = data[2 * s], data[2 * s + 1]
+        (model(**a).loss + model(**b).loss).backward()
+        (twin.run(**a).loss + twin.run(**b).loss).backward()
+        opt.step()
+        opt.zero_grad()
+        twin.step()
+    assert_same_weights(model, twin_model)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_expert_gradients_never_pile_up(compiler):
+    """After 2 backwards no expert gradient exists, the kept operands are below the expert gradients,
+    and at step() at most one expert gradient is alive at a time."""
+    model, opt, _, _ = pair(compiler, torch.bfloat16, "all")
+    for b in batches(2):
+        model(**b).loss.backward()
+    assert opt.report()["deferred"]["crossed_over"] == {}
+    experts = opt.expert_group["params"]
+    assert all(p.grad is None for p in experts)
+    kept = opt.deferred.live_bytes
+    grad_bytes = sum(p.numel() * p.element_size() for p in experts)
+    assert 0 < kept < grad_bytes
+    opt.step()
+    report = opt.report()
+    assert report["deferred"]["kept_operand_peak"] == kept
+    assert report["deferred"]["kept_operand_bytes"] == 0
+    biggest = max(p.numel() * p.element_size() for p in experts)
+    assert report["expert_grad_bytes"]["measured_peak"] == biggest
+
+
+def test_crossover_keeps_the_gradient_once_operands_outgrow_it():
+    """Many tokens per step: operands beyond a tensor's gradient size cross over to a kept gradient,
+    accumulated as autograd does; still exact, and reported."""
+    model, opt, twin_model, twin = pair("eager", torch.float32, "all")
+    big = batches(6, batch=4, seq=64)
+    for s in range(2):
+        for b in big[3 * s : 3 * s + 3]:
+            model(**b).loss.backward()
+            twin.run(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        twin.step()
+    assert_same_weights(model, twin_model)
+    crossed = opt.report()["deferred"]["crossed_over"]
+    assert crossed, "no tensor crossed over"
+    for p in opt.expert_group["params"]:
+        name = opt.expert_name(p)
+        if name in crossed:
+            assert crossed[name] > p.numel() * p.element_size()
+
+
+def test_deferred_refusals():
+    model = build_model("tiny-olmoe", dtype=torch.float32, seed=0)
+    with pytest.raises(SonarUsageError, match="accumulates exactly"):
+        sonar_fx.prepare(model, CFG, schedule="deferred", accumulation="per_microbatch")
+    with pytest.raises(ValueError, match="schedule="):
+        sonar_fx.prepare(build_model("tiny-olmoe", dtype=torch.float32, seed=0), CFG, schedule="later")
+    gap = sonar_fx.api.distributed_gap(CFG, "ddp", "deferred")
+    assert gap is not None and gap[0] == "schedule" and "ddp" in gap[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inductor_deferred_equals_inductor_twin(dtype):
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # inductor's CPU embedding backward accumulates in parallel
+    try:
+        model, opt, twin_model, twin = pair("inductor", dtype, "all")
+        run_steps(model, opt, twin, accum=2)
+        assert_same_weights(model, twin_model)
+        report = opt.report()  # caches stay on: the graph may come from an earlier process's compile
+        assert report["graphs_compiled"] + report["graphs_from_cache"] == 1, report
+        assert report["updates_deferred"] == 12 and report["deferred"]["kept_whole"] == []
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
