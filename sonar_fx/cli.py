@@ -142,7 +142,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"),
         help="adamw, adam, lion; muon: its AdamW tensors")  # fmt: skip
     add("--eps", type=float, default=d.eps, help="adamw, adam; muon: its AdamW tensors")
-    add("--weight-decay", type=float, default=d.weight_decay)
+    add("--weight-decay", type=float, default=None,
+        help="decoupled (adam: L2); default 0.1 for muon (torch.optim.Muon's), 0 otherwise")  # fmt: skip
     add("--momentum", type=float, default=None, help="sgd (default 0), muon (default 0.95)")
     add("--dampening", type=float, default=d.dampening, help="sgd")
     add("--nesterov", action=argparse.BooleanOptionalAction, default=None,

@@ -83,7 +83,9 @@ class TrainConfig:
     decays."""
     eps: float = 1e-8
     """Adam(W)'s denominator term (Muon: of its AdamW tensors)."""
-    weight_decay: float = 0.0
+    weight_decay: float | None = None
+    """Decoupled weight decay (Adam: L2); None: 0.1 for Muon (torch.optim.Muon's and `MuonConfig`'s
+    default), 0.0 for the others (the paper's)."""
     momentum: float | None = None
     """SGD (None: 0.0) and Muon (None: 0.95)."""
     dampening: float = 0.0

@@ -108,7 +108,10 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
             flag="--optimizer",
         )
     fields: dict[str, Any] = dict(
-        lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, expert_clip=cfg.expert_clip
+        lr=lr,
+        weight_decay=resolved_weight_decay(cfg),
+        max_grad_norm=cfg.max_grad_norm,
+        expert_clip=cfg.expert_clip,
     )
     momentum, nesterov = resolved_momentum(cfg)
     by_optimizer: dict[str, dict[str, Any]] = {
@@ -144,6 +147,13 @@ def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
     momentum = cfg.momentum if cfg.momentum is not None else (0.95 if muon else 0.0)
     nesterov = cfg.nesterov if cfg.nesterov is not None else muon
     return momentum, nesterov
+
+
+def resolved_weight_decay(cfg: TrainConfig) -> float:
+    """--weight-decay, or its default: 0.1 for Muon (torch.optim.Muon's), 0.0 for the others."""
+    if cfg.weight_decay is not None:
+        return cfg.weight_decay
+    return 0.1 if cfg.optimizer == "muon" else 0.0
 
 
 def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
@@ -287,6 +297,7 @@ def resolve(
         cfg,
         momentum=momentum,
         nesterov=nesterov,
+        weight_decay=resolved_weight_decay(cfg),
         device=device,
         steps=steps,
         lr=lr,
