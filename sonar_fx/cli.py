@@ -156,6 +156,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
     add("--state-bits", type=int, choices=STATE_BITS, default=d.state_bits,
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
+    add("--dense-state-bits", type=int, choices=STATE_BITS, default=d.dense_state_bits,
+        help="adamw, adam: bits of dense moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     add("--parallel", choices=tuple(ENGINES), default=None,

@@ -101,6 +101,9 @@ class TrainConfig:
     "global" (two backward passes; the twin of the standard method)."""
     state_bits: StateBits = 32
     """Adam(W) only: bits of the expert tensors' moments (8, 4: torchao's low-bit states)."""
+    dense_state_bits: StateBits = 32
+    """Adam(W) only: bits of the dense tensors' moments (8, 4: torchao's low-bit states, updated at
+    `step()`); with `state_bits=8`, every state in 8 bits."""
     nonfinite: NonFinite = "raise"
     """Sonar methods: an inf/NaN gradient stops the run ("raise", nothing of that step applied), skips
     the step and goes on ("skip", counted in the summary's sonar report) or is trained on ("ignore")."""
@@ -160,6 +163,8 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
     fields["model_overrides"] = dict(sorted(cfg.model_overrides.items()))
     fields["compiler"] = cfg.execution.compiler
     fields["sonar_pass"] = cfg.execution.sonar_pass
+    if cfg.dense_state_bits != 32:  # (absent at its default, as in checkpoints written before the flag)
+        fields["dense_state_bits"] = cfg.dense_state_bits
     if cfg.parallel is not None:  # (absent from single-process identities, as before)
         fields.update(parallel=cfg.parallel, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return {**fields, "data": data_hash}
