@@ -199,6 +199,45 @@ def test_the_cli_reports_bad_input_in_one_line(capsys):
     assert err.count("\n") == 1 and "error: unknown model 'no-such-model'" in err and "olmoe-1b-7b" in err
 
 
+REMOTE_CODE = """
+import pathlib
+pathlib.Path(__file__).with_name("ran").write_text("the checkpoint's code ran")
+from transformers import PretrainedConfig
+class MyMoeConfig(PretrainedConfig):
+    model_type = "my_moe"
+"""
+
+
+@pytest.mark.parametrize(
+    ("config_json", "says"),
+    [
+        ('{"model_type": "olmoe", "num_experts": 4,\n', "config.json is not valid JSON (Expecting property"),
+        (
+            json.dumps(
+                {"model_type": "my_moe", "num_experts": 4, "auto_map": {"AutoConfig": "my_moe.MyMoeConfig"}}
+            ),
+            "model_type 'my_moe' needs the checkpoint's own code (auto_map), which a plan never runs",
+        ),
+        ('{"model_type": "nope_moe"}', "transformers cannot read it: The checkpoint you are trying to load"),
+    ],
+)
+def test_the_cli_refuses_an_unreadable_config_dir_in_one_line(tmp_path, capsys, config_json, says):
+    (tmp_path / "config.json").write_text(config_json)
+    (tmp_path / "my_moe.py").write_text(REMOTE_CODE)
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "ran").exists()  # remote code stays refused
+
+
+def test_a_config_dir_with_auto_map_for_a_type_transformers_ships_plans_without_its_code(tmp_path):
+    config = tiny_config("tiny-olmoe").to_dict() | {"auto_map": {"AutoConfig": "my_moe.MyMoeConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "my_moe.py").write_text(REMOTE_CODE)
+    assert model_source(tmp_path).config.num_experts == config["num_experts"]
+    assert not (tmp_path / "ran").exists()
+
+
 @pytest.mark.slow  # one inductor compile of torchao's update per shape
 @pytest.mark.parametrize("shape", [(16, 128, 512), (4, 16, 256)])  # the second: a parameter-sized copy too
 def test_lowbit_update_model_allocates_what_the_compiled_update_does(shape):
