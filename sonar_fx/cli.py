@@ -142,7 +142,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--betas", type=float, nargs=2, default=d.betas, metavar=("BETA1", "BETA2"),
         help="adamw, adam, lion; muon: its AdamW tensors")  # fmt: skip
     add("--eps", type=float, default=d.eps, help="adamw, adam; muon: its AdamW tensors")
-    add("--weight-decay", type=float, default=d.weight_decay)
+    add("--weight-decay", type=float, default=None,
+        help="decoupled (adam: L2); default 0.1 for muon (torch.optim.Muon's), 0 otherwise")  # fmt: skip
     add("--momentum", type=float, default=None, help="sgd (default 0), muon (default 0.95)")
     add("--dampening", type=float, default=d.dampening, help="sgd")
     add("--nesterov", action=argparse.BooleanOptionalAction, default=None,
@@ -155,6 +156,8 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
     add("--state-bits", type=int, choices=STATE_BITS, default=d.state_bits,
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
+    add("--dense-state-bits", type=int, choices=STATE_BITS, default=d.dense_state_bits,
+        help="adamw, adam: bits of dense moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     add("--parallel", choices=tuple(ENGINES), default=None,

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sonar_fx.cli import main
+from sonar_fx.cli import build_parser, main, train_config
 from sonar_fx.methods import METHODS
+from sonar_fx.trainer.config import run_identity
+from sonar_fx.trainer.validate import optimizer_config
 
 FAST = ["--compiler", "eager", "--train-size", "8", "--held-out", "4", "--steps", "2", "--no-progress"]
 
@@ -49,6 +51,22 @@ def test_each_method_trains_and_writes_metrics_and_summary(tmp_path, capsys, met
         assert all(0 < r["expert_grad_peak_bytes"] <= bound["one_layer"] for r in lines)
     else:
         assert not any("expert_grad_peak_bytes" in r for r in lines)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 32])
+def test_dense_state_bits_reaches_the_optimizer_and_the_run_identity(bits):
+    """`--dense-state-bits` as `plan` and `AdamWConfig` have it (no step: the states' kinds are
+    test_eager_sonar.py's); a checkpoint names it only when set, as checkpoints before the flag did."""
+    args = build_parser().parse_args(["finetune", "--state-bits", "8", "--dense-state-bits", str(bits)])
+    cfg = train_config(args)
+    opt_cfg = optimizer_config(cfg, 1e-3)
+    assert (opt_cfg.state_bits, opt_cfg.dense_state_bits) == (8, bits)
+    assert run_identity(cfg, "hash").get("dense_state_bits") == (None if bits == 32 else bits)
+
+
+def test_dense_state_bits_is_refused_where_it_does_not_apply(tmp_path, capsys):
+    assert finetune(tmp_path, "--optimizer", "sgd", "--dense-state-bits", "8") == 2
+    assert "error: --dense-state-bits does not apply to --optimizer sgd" in capsys.readouterr().err
 
 
 def test_loss_falls_and_the_lr_schedule_is_logged(tmp_path):

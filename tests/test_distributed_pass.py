@@ -177,3 +177,57 @@ def test_cli_parallel_takes_clip_and_state_flags_but_4bit_shards(flags, refused)
         return
     with pytest.raises(ConfigError, match="state_bits=4 is not supported on the fsdp2 engine"):
         optimizer_config(TrainConfig(**flags), 1e-3)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one gloo process (this one), for layouts that need a process group but no peer."""
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+UPPER = ["layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("given", ["names", "parameters", None])
+@pytest.mark.filterwarnings("ignore:torch.distributed.nn.functional.all_to_all_single is deprecated")
+def test_fsdp2_ep_lays_out_only_the_experts_given(one_rank, given):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    import sonar_fx.distributed as sd
+
+    model = build_model("tiny-reference", seed=0)
+    experts = {"names": UPPER, "parameters": [model.get_parameter(n) for n in UPPER], None: None}[given]
+    lower_before = model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    model = sd.fsdp2_ep(model, CFG, mesh=mesh, experts=experts)
+    expected = ["layers.1.mlp.experts"] if given else ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    laid_out = [n for n, m in model.named_modules() if isinstance(m, sd.ExpertParallelExperts)]
+    own_groups = [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n.endswith("experts")]
+    assert laid_out == own_groups == expected
+    assert sd.expert_names(model.sonar) == [
+        f"{n}.{t}" for n in expected for t in ("gate_up_proj", "down_proj")
+    ]
+    (batch,) = batches(1)
+    model(**batch).loss.backward()
+    model.sonar.step()
+    lower = model.layers[0].mlp.experts.gate_up_proj
+    assert not torch.equal(lower.full_tensor(), lower_before)  # trained, by Sonar or as a dense tensor
+
+
+def test_fsdp2_ep_refuses_half_an_experts_module(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import sonar_fx.distributed as sd
+
+    model = build_model("tiny-reference", seed=0)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"part of layers.1.mlp.experts but not .*down_proj"):
+        sd.fsdp2_ep(model, CFG, mesh=mesh, experts=UPPER[:1])
+    assert getattr(model, "sonar", None) is None

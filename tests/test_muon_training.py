@@ -6,6 +6,7 @@ non-finite gradients; state dicts and the command line's resume. Every exactness
 `torch.equal`, with negative controls that must differ.
 """
 
+import inspect
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from test_resume import assert_same_state
 from torch import nn
 
 import sonar_fx
-from sonar_fx.cli import main
+from sonar_fx.cli import build_parser, main, train_config
 from sonar_fx.config import MuonConfig
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.experts.discovery import discover_experts
@@ -240,3 +241,18 @@ def test_trainer_refuses_muon_on_fsdp2_before_anything_runs():
         optimizer_config(TrainConfig(optimizer="muon", parallel="fsdp2"), 1e-3)
     assert err.value.flag == "--parallel"
     assert isinstance(optimizer_config(TrainConfig(optimizer="muon", parallel="ep"), 1e-3), MuonConfig)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (("--optimizer", "muon"), inspect.signature(torch.optim.Muon).parameters["weight_decay"].default),
+        (("--optimizer", "muon", "--weight-decay", "0"), 0.0),  # an explicit zero is kept
+        (("--optimizer", "adamw"), 0.0),
+    ],
+)
+def test_cli_weight_decay_defaults_to_torchs_for_muon(flags, expected):
+    args = build_parser().parse_args(["finetune", "--model", "tiny-olmoe", *flags])
+    opt_cfg = optimizer_config(train_config(args), 1e-3)
+    assert opt_cfg.weight_decay == expected
+    assert MuonConfig().weight_decay == inspect.signature(torch.optim.Muon).parameters["weight_decay"].default

@@ -4,6 +4,8 @@ hooks and in the compiled pass (aot_eager), with an LR schedule that changes eve
 recompiles. Every exactness claim is `torch.equal`; negative controls show the checks can fail.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -143,6 +145,24 @@ def test_sgd_first_update_skipped_leaves_no_momentum_buffer():
     model(**b1).loss.backward()
     opt.step()
     assert "momentum_buffer" in opt.state[target]
+
+
+@pytest.mark.parametrize("expert_clip", [None, "global"])
+def test_step_skipped_warning_names_the_callers_line(expert_clip):
+    """Skipped at `step()` (through torch's no_grad and step wrappers) or between the two passes of
+    expert_clip="global" (inside `backward()`): the warning points at this file's line, not a library's."""
+    cfg = sonar_fx.AdamWConfig(lr=1e-2, max_grad_norm=0.5, expert_clip=expert_clip)
+    model = build_model("tiny-olmoe", seed=0)
+    opt = sonar_fx.compile(model, cfg, compiler="eager", nonfinite="skip").sonar
+    opt.expert_group["params"][0].register_hook(lambda g: g * float("inf"))
+    (batch,) = batches(1)
+    with pytest.warns(UserWarning, match="step skipped") as caught:
+        line = sys._getframe().f_lineno + 1
+        opt.backward(lambda: model(**batch).loss) if expert_clip else model(**batch).loss.backward()
+        opt.step()
+    warned = [w for w in caught if "step skipped" in str(w.message)]
+    assert len(warned) == 1
+    assert (warned[0].filename, warned[0].lineno) == (__file__, line + (expert_clip is None))
 
 
 # ----------------------------------------------------------------------------- training, end to end

@@ -23,6 +23,7 @@ from sonar_fx.planner import PRESETS, BudgetError, PlanError
 from sonar_fx.planner.fake import PlanFakeMode, lowbit_update_buffers
 from sonar_fx.planner.models import model_source
 from sonar_fx.planner.planning import largest_batch
+from sonar_fx.planner.scratch import cpu_kernel_scratch
 from sonar_fx.planner.tracker import CATEGORIES, StepTracker
 from sonar_fx.workload import random_batches
 
@@ -88,8 +89,12 @@ def test_plan_splits_the_peak_by_category(planned):
         assert set(m.categories) == set(CATEGORIES) and sum(m.categories.values()) == m.peak_allocated_bytes
         weights = m.categories["weights"]  # two AdamW moments per weight (and a 4-byte step per tensor)
         assert weights > 0 and abs(m.categories["optimizer_states"] / (2 * weights) - 1) < 0.01
-    # Standard's peak holds every gradient; Sonar's at most the dense ones and one layer of experts.
-    assert standard.categories["gradients"] >= planned.expert_grad.total
+    # Standard's peak holds every gradient (on a host whose matmul takes scratch, the peak is inside the
+    # last expert weight gradient's kernel: that gradient is still its output, a temporary); Sonar's at
+    # most the dense ones and one layer of experts.
+    grads, temporaries = standard.categories["gradients"], standard.categories["temporaries"]
+    assert grads >= planned.expert_grad.total - planned.expert_grad.one_layer
+    assert grads + temporaries >= planned.expert_grad.total
     assert sonar.categories["gradients"] < planned.expert_grad.one_layer + standard.categories["weights"] / 3
 
 
@@ -101,6 +106,25 @@ def test_budget_gives_the_largest_batch_that_fits(planned):
     standard, sonar = planned.method("standard"), planned.method("sonar")
     assert standard.max_batch >= BATCH  # the budget is what standard measured at this batch
     assert sonar.max_batch > standard.max_batch  # Sonar holds no expert gradients at its peak
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cpu_plan_counts_what_the_matmul_kernel_allocates(transposed):
+    """A fake bf16 mm allocates its output only; this host's CPU kernel may also take scratch (oneDNN's
+    on AVX-512 hosts, sized by the operands' layout): the tracked peak is the measured one, byte for byte."""
+    k_m = torch.randn(8, 128, dtype=torch.bfloat16)
+    a = k_m.t() if transposed else k_m.t().contiguous()
+    b = torch.randn(8, 64, dtype=torch.bfloat16)
+    _, real = measure_peak(lambda: a @ b)
+    mode = PlanFakeMode()
+    fake_a, fake_b = mode.from_tensor(a), mode.from_tensor(b)
+    peaks = []
+    for scratch in (cpu_kernel_scratch, None):
+        tracker = StepTracker(scratch=scratch)
+        with mode, tracker:
+            _ = fake_a @ fake_b
+        peaks.append(tracker.peak_bytes())
+    assert peaks == [real.peak_bytes, 128 * 64 * 2]  # control: without it, the output alone
 
 
 @pytest.mark.parametrize("curve", ["linear", "quadratic", "step"])
@@ -173,6 +197,45 @@ def test_the_cli_reports_bad_input_in_one_line(capsys):
     assert main(["plan", "--model", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: unknown model 'no-such-model'" in err and "olmoe-1b-7b" in err
+
+
+REMOTE_CODE = """
+import pathlib
+pathlib.Path(__file__).with_name("ran").write_text("the checkpoint's code ran")
+from transformers import PretrainedConfig
+class MyMoeConfig(PretrainedConfig):
+    model_type = "my_moe"
+"""
+
+
+@pytest.mark.parametrize(
+    ("config_json", "says"),
+    [
+        ('{"model_type": "olmoe", "num_experts": 4,\n', "config.json is not valid JSON (Expecting property"),
+        (
+            json.dumps(
+                {"model_type": "my_moe", "num_experts": 4, "auto_map": {"AutoConfig": "my_moe.MyMoeConfig"}}
+            ),
+            "model_type 'my_moe' needs the checkpoint's own code (auto_map), which a plan never runs",
+        ),
+        ('{"model_type": "nope_moe"}', "transformers cannot read it: The checkpoint you are trying to load"),
+    ],
+)
+def test_the_cli_refuses_an_unreadable_config_dir_in_one_line(tmp_path, capsys, config_json, says):
+    (tmp_path / "config.json").write_text(config_json)
+    (tmp_path / "my_moe.py").write_text(REMOTE_CODE)
+    assert main(["plan", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "ran").exists()  # remote code stays refused
+
+
+def test_a_config_dir_with_auto_map_for_a_type_transformers_ships_plans_without_its_code(tmp_path):
+    config = tiny_config("tiny-olmoe").to_dict() | {"auto_map": {"AutoConfig": "my_moe.MyMoeConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "my_moe.py").write_text(REMOTE_CODE)
+    assert model_source(tmp_path).config.num_experts == config["num_experts"]
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.slow  # one inductor compile of torchao's update per shape

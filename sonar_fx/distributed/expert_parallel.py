@@ -32,7 +32,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.ddp import expert_names
 from sonar_fx.distributed.reductions import LocalExperts
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.experts.discovery import ExpertLayer, discover_experts
 from sonar_fx.experts.grouped import grouped_mm
 from sonar_fx.experts.kernels.base import HF_LAYOUT
 from sonar_fx.optim.optimizer import NonFinite
@@ -134,14 +134,19 @@ class ExpertParallelExperts(nn.Module):
 
 
 @torch.no_grad()
-def shard_experts_(model: nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+def shard_experts_(
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    experts: Iterable[nn.Parameter | str] | None = None,
+) -> list[str]:
     """Replace every experts module of `model` by an `ExpertParallelExperts` holding this rank's
     E/world experts (a copy of its slice; every rank must hold the same full weights before, e.g.
-    the same seed); returns the replaced modules' names."""
+    the same seed); returns the replaced modules' names. `experts` (parameters or names, as
+    `sonar_fx.compile` takes them): only the modules holding those tensors; the others stay whole."""
     group = require_process_group("sonar_fx.distributed.shard_experts_", group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     replaced = []
-    for layer in discover_experts(model):
+    for layer in _layers_to_shard(model, experts):
         roles = {t.role: t.param for t in layer.tensors}
         if set(roles) != {"up", "down"}:
             raise SonarUsageError(
@@ -178,6 +183,33 @@ def _glu_of(experts: nn.Module) -> Callable[[Tensor], Tensor]:
     return glu
 
 
+def _layers_to_shard(model: nn.Module, experts: Iterable[nn.Parameter | str] | None) -> list[ExpertLayer]:
+    """The experts modules holding `experts` (all when None); a module is sharded whole, so each must
+    be named whole, or Sonar would update one of its tensors and leave the other to the dense step."""
+    layers = discover_experts(model)
+    if experts is None:
+        return layers
+    chosen = {t.name for layer in discover_experts(model, experts) for t in layer.tensors}
+    picked = [layer for layer in layers if any(t.name in chosen for t in layer.tensors)]
+    for layer in picked:
+        if missing := [t.name for t in layer.tensors if t.name not in chosen]:
+            raise SonarUsageError(
+                f"experts= names part of {layer.name} but not {', '.join(missing)}: an experts module is "
+                "sharded whole; name all of its expert tensors or none."
+            )
+    if outside := chosen - {t.name for layer in picked for t in layer.tensors}:
+        raise SonarUsageError(
+            f"experts= names {', '.join(sorted(outside))}, outside every experts module expert parallelism "
+            "can shard (gate_up/down experts): leave it out of experts=."
+        )
+    return picked
+
+
+def sharded_expert_names(replaced: list[str]) -> list[str]:
+    """The expert tensors of the `ExpertParallelExperts` modules `shard_experts_` put at `replaced`."""
+    return [f"{name}.{tensor}" for name in replaced for tensor in ("gate_up_proj", "down_proj")]
+
+
 def expert_parallel(
     model: nn.Module,
     opt_cfg: OptimizerConfig,
@@ -200,7 +232,8 @@ def expert_parallel(
     experts updates each one in its backward, where its gradient is already final on this rank."""
     group = require_process_group("sonar_fx.distributed.expert_parallel", process_group)
     if shard:
-        shard_experts_(model, group)
+        replaced = shard_experts_(model, group, experts)
+        experts = None if experts is None else sharded_expert_names(replaced)  # the new modules' tensors
     reduction = LocalExperts(group)
     model = api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,

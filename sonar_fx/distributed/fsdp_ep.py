@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.distributed.expert_parallel import shard_experts_
+from sonar_fx.distributed.expert_parallel import ExpertParallelExperts, shard_experts_, sharded_expert_names
 from sonar_fx.distributed.fsdp import unsharded_params, warn_unless_own_groups
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.errors import SonarUsageError
@@ -40,22 +40,29 @@ from sonar_fx.optim.reduction import require_process_group
 MESH_DIMS = ("dp", "ep")
 
 
-def shard_fsdp2_ep(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) -> nn.Module:
+def shard_fsdp2_ep(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    experts: Iterable[nn.Parameter | str] | None = None,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
     """Lay `model` out on the 2-D `mesh` (see the module docstring); every rank must hold the same full
-    weights before (e.g. the same seed). Returns `model`, now an `FSDPModule`."""
+    weights before (e.g. the same seed). `experts` (parameters or names): only the experts modules
+    holding them are laid out as experts, the others stay dense. Returns `model`, now an `FSDPModule`."""
     check_mesh(mesh)
     world = dist.get_world_size()
-    shard_experts_(model, mesh.get_group("ep"))
-    layers = discover_experts(model)
-    for layer in layers:
-        experts = model.get_submodule(layer.name)
-        fully_shard(experts, mesh=mesh["dp"], **fully_shard_kwargs)
-        sharded = cast_fsdp(experts)
+    layers = shard_experts_(model, mesh.get_group("ep"), experts)
+    for name in layers:
+        experts_module = model.get_submodule(name)
+        fully_shard(experts_module, mesh=mesh["dp"], **fully_shard_kwargs)
+        sharded = cast_fsdp(experts_module)
         sharded.set_gradient_divide_factor(float(world))  # every rank's tokens: average by world
         if dist.get_backend(mesh.get_group("dp")) == "gloo":
             sharded.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum: divide after
     every_rank = DeviceMesh.from_group(dist.group.WORLD, mesh.device_type)  # type: ignore[arg-type]
-    for _, block in repeated_blocks(model, [layer.name for layer in layers]):
+    # Every block that holds experts is its own group, laid out as experts or not.
+    for _, block in repeated_blocks(model, [layer.name for layer in discover_experts(model)]):
         fully_shard(block, mesh=every_rank, **fully_shard_kwargs)
     fully_shard(model, mesh=every_rank, **fully_shard_kwargs)
     return model
@@ -78,7 +85,11 @@ def fsdp2_ep(
     (the all-to-alls and FSDP2's collectives run between graphs; the hooks update, after FSDP2)."""
     require_process_group("sonar_fx.distributed.fsdp2_ep")
     if not isinstance(model, FSDPModule):
-        shard_fsdp2_ep(model, mesh, **(fully_shard_kwargs or {}))
+        shard_fsdp2_ep(model, mesh, experts=experts, **(fully_shard_kwargs or {}))
+        if experts is not None:  # the laid-out modules are new: name their tensors
+            experts = sharded_expert_names(
+                [n for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
+            )
     warn_unless_own_groups(model, ExpertSet.discover(model, experts))
     reduction = ShardedGrads(
         name="fsdp2_ep", world_size=dist.get_world_size(), expert_group=mesh.get_group("ep"),

@@ -9,6 +9,8 @@ Every rank decides alike (`any_rank`). It never updates a weight or a moment.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -141,8 +143,23 @@ def _count_skip(stats: SonarStats, experts: list[str], detail: str) -> None:
         warnings.warn(
             f"sonar: non-finite gradients, step skipped (nonfinite='skip'; {detail}); report() counts "
             "every skip.",
-            stacklevel=4,
+            stacklevel=_caller_level(),
         )
+
+
+_LIBRARIES = tuple(
+    os.path.dirname(path) + os.sep for path in (os.path.dirname(__file__), torch.__file__ or "")
+)
+"""Where frames are not the user's: sonar-fx's and torch's own files (its no_grad and step wrappers)."""
+
+
+def _caller_level() -> int:
+    """The `stacklevel` that names the first frame outside sonar-fx and torch: the user's `step()` or
+    `backward()` line, however deep the call came (Python 3.11 has no warnings' `skip_file_prefixes`)."""
+    frame, level = sys._getframe(1), 1  # the function that warns: level 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _listing(names: Sequence[str]) -> str:

@@ -10,6 +10,7 @@ Never: build a model with real storage.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,11 +117,33 @@ def _named(name: str) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise PlanError(f"{path} has no config.json: {_CHOICES}.")
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        return _checked(ModelSource(name=path.name, config=config))
+        return _checked(ModelSource(name=path.name, config=_directory_config(path)))
     raise PlanError(f"unknown model {name!r}: {_CHOICES}.")
+
+
+def _directory_config(path: Path) -> Any:
+    """A local directory's config, read without running any code of the checkpoint's: a file that is
+    not JSON, or one that needs its own code (`auto_map` for a model type transformers does not ship),
+    is refused in one line."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    file = path / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise PlanError(f"{file} is not valid JSON ({err}): fix the file, or plan a preset.") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if isinstance(data, dict) and "auto_map" in data and model_type not in CONFIG_MAPPING:
+        raise PlanError(
+            f"{file}: model_type {model_type!r} needs the checkpoint's own code (auto_map), which a plan "
+            f"never runs (no trust_remote_code): plan a model type transformers {transformers.__version__} "
+            "ships (e.g. olmoe, granitemoe, qwen3_moe, mixtral), or a preset."
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as err:  # transformers' own refusal, e.g. a model type it does not know
+        raise PlanError(f"{file}: transformers cannot read it: {str(err).splitlines()[0]}") from None
 
 
 def _checked(source: ModelSource) -> ModelSource:

@@ -135,7 +135,7 @@ def plan(
         except NoExpertsFoundError as err:
             raise PlanError(f"{source.name}: {err}") from err
         expert_grad = expert_grad or ExpertGradBytes.of(discover_experts(run.model))
-        planned.append(_plan_method(run, batch, seq, DEVICES[device], budget_bytes))
+        planned.append(_plan_method(run, batch, seq, device, budget_bytes))
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
     if standard is not None:
@@ -155,12 +155,12 @@ class BudgetError(PlanError):
     """No method fits the budget at any batch size."""
 
 
-def _plan_method(run: MethodRun, batch: int, seq: int, block: int, budget: int | None) -> MethodPlan:
+def _plan_method(run: MethodRun, batch: int, seq: int, device: str, budget: int | None) -> MethodPlan:
     peaks: dict[int, StepMemory] = {}
 
     def step(b: int) -> int:
         if b not in peaks:
-            peaks[b] = run.tracked_step(b, seq, block_bytes=block)
+            peaks[b] = run.tracked_step(b, seq, block_bytes=DEVICES[device], cpu=device == "cpu")
         return peaks[b].peak
 
     step(batch)

@@ -22,6 +22,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, real_step_paths
 from sonar_fx.planner.models import ModelSource
+from sonar_fx.planner.scratch import cpu_kernel_scratch
 from sonar_fx.planner.tracker import StepTracker
 
 PLAN_METHODS: dict[str, tuple[str, dict[str, object]]] = {
@@ -74,11 +75,12 @@ class MethodRun:
             self.method: TrainingMethod = build_method(base, self.model, method_config(base, cfg, fields))
             self.method.train_step(self._batch(1, seq))  # creates the optimizer states
 
-    def tracked_step(self, batch: int, seq: int, *, block_bytes: int) -> StepMemory:
-        """Run one training step of (batch, seq) tokens and account its memory."""
+    def tracked_step(self, batch: int, seq: int, *, block_bytes: int, cpu: bool = False) -> StepMemory:
+        """Run one training step of (batch, seq) tokens and account its memory; `cpu`: a CPU plan, which
+        counts the scratch this host's CPU kernels take (see `scratch`)."""
         with self._planning():
             data = self._batch(batch, seq)
-            tracker = StepTracker(block_bytes=block_bytes)
+            tracker = StepTracker(block_bytes=block_bytes, scratch=cpu_kernel_scratch if cpu else None)
             tracker.track_step_start(self.model, self.method.optimizers, *data.values())
             start = tracker.bytes_now()
             with tracker:

@@ -3,9 +3,12 @@
 torch's `torch.distributed._tools.mem_tracker.MemTracker` (a dispatch mode) sees every tensor the step
 creates, learns of every free through a weak reference to its storage, and files each byte under
 parameters, buffers, gradients, activations, temporaries or optimizer states. `StepTracker` keeps that
-accounting and changes four things for a step planned on fake CPU tensors:
+accounting and changes five things for a step planned on fake CPU tensors:
 - the device's allocator: CUDA's caching allocator hands out blocks of 512 bytes, so each storage is
   counted rounded up to `block_bytes` (1 for a CPU plan);
+- kernel scratch: a fake op allocates only its outputs; for a CPU plan, the scratch a real CPU kernel
+  allocates and frees inside the op (`scratch.cpu_kernel_scratch`: oneDNN's, on AVX-512 hosts) is
+  counted as temporaries for the op's duration, on top of what is alive then;
 - the peak: only the whole step's peak snapshot is kept (torch's per-module peaks cost a scan of
   every module per op: a real-size model's step took 4x longer and the plan uses none of them);
 - categories: optimizer states exist before the step (they are tracked at its start), so what
@@ -20,6 +23,7 @@ tests. Never: change what the step allocates or frees.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,9 +46,13 @@ _CATEGORY_OF: dict[Any, str] = {
 class StepTracker(MemTracker):
     """`MemTracker` for one planned step (see the module docstring)."""
 
-    def __init__(self, *, block_bytes: int = 1) -> None:
+    def __init__(
+        self, *, block_bytes: int = 1, scratch: Callable[[Any, Any, dict[str, Any]], int] | None = None
+    ) -> None:
         super().__init__()
         self.block_bytes = block_bytes
+        self.scratch = scratch
+        """Bytes an op's kernel allocates inside the op beyond its outputs (None: none are counted)."""
 
     def track_step_start(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *tensors: Any
@@ -68,6 +76,21 @@ class StepTracker(MemTracker):
         return split
 
     # ---------------------------------------------------------------- overrides of MemTracker's hooks
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        nbytes = (
+            0 if self.scratch is None or res is NotImplemented else self.scratch(func, args, kwargs or {})
+        )
+        if nbytes:  # alive with the op's outputs, freed before the op returns
+            snap = self._curr_mem_snap.setdefault(torch.device("cpu"), dict.fromkeys(self._ref_class, 0))
+            snap.setdefault(_TOTAL_KEY, 0)
+            for key in (_MemRefType.TEMP, _TOTAL_KEY):
+                snap[key] += nbytes
+            self._update_peak_stats(None)
+            for key in (_MemRefType.TEMP, _TOTAL_KEY):
+                snap[key] -= nbytes
+        return res
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():

@@ -83,7 +83,9 @@ class TrainConfig:
     decays."""
     eps: float = 1e-8
     """Adam(W)'s denominator term (Muon: of its AdamW tensors)."""
-    weight_decay: float = 0.0
+    weight_decay: float | None = None
+    """Decoupled weight decay (Adam: L2); None: 0.1 for Muon (torch.optim.Muon's and `MuonConfig`'s
+    default), 0.0 for the others (the paper's)."""
     momentum: float | None = None
     """SGD (None: 0.0) and Muon (None: 0.95)."""
     dampening: float = 0.0
@@ -99,6 +101,9 @@ class TrainConfig:
     "global" (two backward passes; the twin of the standard method)."""
     state_bits: StateBits = 32
     """Adam(W) only: bits of the expert tensors' moments (8, 4: torchao's low-bit states)."""
+    dense_state_bits: StateBits = 32
+    """Adam(W) only: bits of the dense tensors' moments (8, 4: torchao's low-bit states, updated at
+    `step()`); with `state_bits=8`, every state in 8 bits."""
     nonfinite: NonFinite = "raise"
     """Sonar methods: an inf/NaN gradient stops the run ("raise", nothing of that step applied), skips
     the step and goes on ("skip", counted in the summary's sonar report) or is trained on ("ignore")."""
@@ -158,6 +163,8 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
     fields["model_overrides"] = dict(sorted(cfg.model_overrides.items()))
     fields["compiler"] = cfg.execution.compiler
     fields["sonar_pass"] = cfg.execution.sonar_pass
+    if cfg.dense_state_bits != 32:  # (absent at its default, as in checkpoints written before the flag)
+        fields["dense_state_bits"] = cfg.dense_state_bits
     if cfg.parallel is not None:  # (absent from single-process identities, as before)
         fields.update(parallel=cfg.parallel, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return {**fields, "data": data_hash}

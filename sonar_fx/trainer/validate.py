@@ -108,12 +108,19 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
             flag="--optimizer",
         )
     fields: dict[str, Any] = dict(
-        lr=lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, expert_clip=cfg.expert_clip
+        lr=lr,
+        weight_decay=resolved_weight_decay(cfg),
+        max_grad_norm=cfg.max_grad_norm,
+        expert_clip=cfg.expert_clip,
     )
     momentum, nesterov = resolved_momentum(cfg)
     by_optimizer: dict[str, dict[str, Any]] = {
-        "adamw": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
-        "adam": dict(betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits),
+        "adamw": dict(
+            betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits, dense_state_bits=cfg.dense_state_bits
+        ),
+        "adam": dict(
+            betas=cfg.betas, eps=cfg.eps, state_bits=cfg.state_bits, dense_state_bits=cfg.dense_state_bits
+        ),
         "sgd": dict(momentum=momentum, dampening=cfg.dampening, nesterov=nesterov),
         "lion": dict(betas=cfg.betas),
         "muon": dict(
@@ -132,8 +139,8 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
         engine_named(cfg.parallel).check_optimizer(opt_cfg)  # what the --parallel engine is verified with
     except ConfigFieldError as exc:
         raise field_error(exc) from exc
-    if cfg.state_bits != 32:
-        _check_torchao()
+    if cfg.state_bits != 32 or cfg.dense_state_bits != 32:
+        _check_torchao("--state-bits" if cfg.state_bits != 32 else "--dense-state-bits")
     return opt_cfg
 
 
@@ -146,12 +153,29 @@ def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
     return momentum, nesterov
 
 
+def resolved_weight_decay(cfg: TrainConfig) -> float:
+    """--weight-decay, or its default: 0.1 for Muon (torch.optim.Muon's), 0.0 for the others."""
+    if cfg.weight_decay is not None:
+        return cfg.weight_decay
+    return 0.1 if cfg.optimizer == "muon" else 0.0
+
+
 def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
     """A flag the chosen optimizer has no use for is refused, not silently dropped."""
     defaults = TrainConfig()
     # What "not given" looks like: the default, or what `resolve` makes of it (0.0 and False, as before).
     unset = {"momentum": (None, 0.0), "nesterov": (None, False)}
-    for name in ("betas", "eps", "momentum", "dampening", "nesterov", "state_bits", "adjust_lr_fn"):
+    names = (
+        "betas",
+        "eps",
+        "momentum",
+        "dampening",
+        "nesterov",
+        "state_bits",
+        "dense_state_bits",
+        "adjust_lr_fn",
+    )
+    for name in names:
         if name not in used and getattr(cfg, name) not in unset.get(name, (getattr(defaults, name),)):
             flag = flag_of(name)
             raise ConfigError(
@@ -163,14 +187,14 @@ def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
             )
 
 
-def _check_torchao() -> None:
+def _check_torchao(flag: str) -> None:
     try:
         import torchao.optim  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
-            f"--state-bits needs torchao's low-bit optimizer states, which cannot be imported here ({exc}); "
-            "pip install torchao (with --no-deps if pip would replace torch), or use --state-bits 32",
-            flag="--state-bits",
+            f"{flag} needs torchao's low-bit optimizer states, which cannot be imported here ({exc}); "
+            f"pip install torchao (with --no-deps if pip would replace torch), or use {flag} 32",
+            flag=flag,
         ) from exc
 
 
@@ -287,6 +311,7 @@ def resolve(
         cfg,
         momentum=momentum,
         nesterov=nesterov,
+        weight_decay=resolved_weight_decay(cfg),
         device=device,
         steps=steps,
         lr=lr,
