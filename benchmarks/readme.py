@@ -22,7 +22,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from benchmarks.common import RESULTS_DIR, load_reports
+from benchmarks.common import GOALS_NOTE, RESULTS_DIR, goal_status, load_reports
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
@@ -88,6 +88,8 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     script = data["script"]
     env = data["env"]
     load = "/".join(f"{x:.1f}" for x in env["load_avg"])
+    if data.get("load_avg_end"):
+        load += " at the start, " + "/".join(f"{x:.1f}" for x in data["load_avg_end"]) + " at the end"
     lines = [
         f"### {script}",
         "",
@@ -100,9 +102,9 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     ]
     tables = list(data["tables"])
     if data.get("goals"):
-        mark = {True: "met", False: "MISSED", None: "not measured"}
-        rows = [[g["name"], g["target"], g["measured"], mark[g["met"]]] for g in data["goals"]]
-        tables.append({"title": "Goals", "headers": ["goal", "target", "measured", "status"], "rows": rows})
+        rows = [[g["name"], g["target"], g["measured"], goal_status(g)] for g in data["goals"]]
+        headers = ["goal", "target", "measured", "status"]
+        tables.append({"title": "Goals", "headers": headers, "rows": rows, "note": GOALS_NOTE})
     for t in tables:
         # disable_numparse: cells are formatted already ("+0.0000" must not become "0").
         table = tabulate(t["rows"], headers=t["headers"], tablefmt="github", disable_numparse=True)
