@@ -210,10 +210,20 @@ def test_docs_results_and_readme_headline_are_generated_between_markers_only(tmp
     assert readme.main(args) == 0
     text = docs.read_text()
     assert text.startswith("# Results\n\nhand-written text\n")  # untouched outside the markers
-    section = text.split(readme.START)[1].split(readme.END)[0]
+    index = text.split(readme.START)[1].split(readme.END)[0]
+    assert "[methods](results.md#methods)" in index and "1 met" in index  # no page holds its markers
+    start, end = readme.block_markers("methods")
+    section = text.split(start)[1].split(end)[0]
     assert "12.5" in section and "python -m benchmarks.methods --quick" in section
     assert "| sonar" in section and "| standard" in section  # every row of a Markdown table
-    assert "77.7" not in section and "Not run yet" in section  # the GPU script has no real results
+    assert "77.7" not in text and "Not run yet" in text  # the GPU script has no real results
+    # A page that holds a script's markers gets its block there, under its own prose, and the index
+    # links to it.
+    page = tmp_path / "results-methods.md"
+    page.write_text(f"# Methods\n\nprose\n\n{start}\n{end}\n\nmore prose\n")
+    readme.main(args)
+    assert page.read_text().startswith("# Methods\n\nprose\n") and page.read_text().endswith("more prose\n")
+    assert "12.5" in page.read_text() and "[methods](results-methods.md#methods)" in docs.read_text()
     text = readme_md.read_text()
     assert text.startswith("# project\n\nhand-written text\n")
     headline = text.split(readme.HEADLINE_START)[1].split(readme.HEADLINE_END)[0]
@@ -224,7 +234,7 @@ def test_docs_results_and_readme_headline_are_generated_between_markers_only(tmp
     _fake_report(tmp_path, "99.9")  # new measurements: both files are now stale
     assert readme.main([*args, "--check"]) == 1
     readme.main(args)
-    for path in (docs, readme_md):
+    for path in (page, readme_md):
         assert "99.9" in path.read_text() and "12.5" not in path.read_text()
 
 
