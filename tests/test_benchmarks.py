@@ -95,7 +95,7 @@ def test_methods_goals_are_met_missed_or_not_measured_as_measured():
     assert goals["memory saved, compiled pass"].met is False  # 20% < 95% of the prediction
     assert goals["compiled pass vs compiled standard"].met is False  # 0.90x > 0.85x
     assert goals["compiled pass vs sonar eager hooks"].met is False  # 1.12x > 0.9x
-    assert goals["compiled pass vs compiled standard_no_expert_clip"].met is None  # that arm did not run
+    assert goals["compiled pass vs compiled standard_no_expert_clip"].status == "not measured"  # arm not run
     faster = _measured("sonar", COMPILED, peak=500, step_s=[0.8, 0.8, 0.8], predicted=500)
     goals = {g.name.split(": ", 1)[1]: g for g in shape_goals("s", [std_c, faster])}
     assert (
@@ -318,7 +318,7 @@ def test_optimizers_clipping_table_runs_every_arm_in_rounds_and_states_its_goals
     assert [row[0] for row in table.rows] == [a.label for a in arms]
     goals = {g.name: g for g in optimizers.goals(arms, None)}
     assert set(goals) == {"logged norms cost", "non-finite check cost", "global clip memory"}
-    assert all(isinstance(g.met, bool) for g in goals.values())  # every goal measured
+    assert all(g.status != "not measured" for g in goals.values())  # met, MISSED or noise
 
 
 @pytest.mark.slow  # five arms built and measured: ~18 s on 2 cores
@@ -337,7 +337,7 @@ def test_optimizers_muon_table_measures_state_memory_and_time_against_adamw_and_
     assert at_step.state_bytes == twin.state_bytes == sonar.state_bytes  # the same states, wherever they run
     assert [row[0] for row in table.rows] == [a.label for a in arms]
     goals = {g.name: g for g in optimizers.muon_goals(arms)}
-    assert goals["Muon expert state"].met and isinstance(goals["in-backward Muon time"].met, bool)
+    assert goals["Muon expert state"].met and goals["in-backward Muon time"].status != "not measured"
 
 
 def test_hot_path_profiles_each_update_beside_its_equal_work_twin(one_thread):
