@@ -45,7 +45,7 @@ test-fast: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
-# step times swing), then docs/results.md and the README's headline are regenerated from their JSON.
+# step times swing), then the docs' Results pages and the README's headline are regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
 BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers endurance
 bench: $(STAMP)

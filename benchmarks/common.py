@@ -12,19 +12,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import operator
+import os
 import shlex
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch
 from tabulate import tabulate
 
 from sonar_fx.environment import Environment
-from sonar_fx.measure import SIDE_BY_SIDE
+from sonar_fx.measure import SIDE_BY_SIDE, Spread
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -48,6 +51,49 @@ class Table:
         return tabulate(self.rows, headers=self.headers, tablefmt=fmt, disable_numparse=True)
 
 
+Want = Literal["<", "<=", ">", ">="]
+"""How a measurement must compare with its goal (`measured <= goal` for "<=")."""
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+}  # fmt: skip
+NOT_MEASURED = "not measured"
+GOALS_NOTE = (
+    "A timing goal is graded on the interquartile range of its repeated measurement: met or MISSED only "
+    "when the whole range lies on one side of the goal, otherwise noise (the range is shown)."
+)
+
+
+def grade(measured: Spread | float | None, goal: float, want: Want) -> str:
+    """The one grading rule of every benchmark: "met", "MISSED", "noise (IQR a-b)" or "not measured".
+
+    A repeated measurement (a `Spread`, e.g. a paired time ratio) is graded only when the run's noise
+    allows it: "met" when its whole interquartile range satisfies `want goal`, "MISSED" when none of
+    it does, and otherwise "noise" with the range, since on a loaded shared host the median alone
+    would grade the load rather than the code. A single value (bytes, a count, a fraction of bytes)
+    is exact and graded as it is. None (the arm failed or did not run) is "not measured".
+    """
+    if measured is None or (isinstance(measured, float) and math.isnan(measured)):
+        return NOT_MEASURED
+    ok = _COMPARE[want]
+    if not isinstance(measured, Spread):
+        return "met" if ok(measured, goal) else "MISSED"
+    q25, q75 = measured.q25, measured.q75
+    if ok(q25, goal) and ok(q75, goal):
+        return "met"
+    if not ok(q25, goal) and not ok(q75, goal):
+        return "MISSED"
+    return f"noise (IQR {q25:.3g}-{q75:.3g})"
+
+
+def worst(*statuses: str) -> str:
+    """A goal made of several grades (a band with two ends): MISSED over noise over not measured."""
+    for prefix in ("MISSED", "noise", NOT_MEASURED):
+        for s in statuses:
+            if s.startswith(prefix):
+                return s
+    return "met"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Goal:
     """A target from the issue, measured (never asserted: timings belong in benchmarks, not tests)."""
@@ -55,14 +101,25 @@ class Goal:
     name: str
     target: str
     measured: str
-    met: bool | None
-    """None when it could not be measured (an arm failed or did not run)."""
+    status: str
+    """`grade`'s verdict: "met", "MISSED", "noise (IQR a-b)" or "not measured"."""
+
+    @property
+    def met(self) -> bool | None:
+        """True or False when graded; None when not measured or within the noise."""
+        return {"met": True, "MISSED": False}.get(self.status)
+
+
+def goal_status(goal: dict[str, Any]) -> str:
+    """A stored goal's status cell (results written before `status` existed carry `met`)."""
+    if "status" in goal:
+        return goal["status"]
+    return {True: "met", False: "MISSED", None: NOT_MEASURED}[goal.get("met")]
 
 
 def goals_table(goals: Sequence[Goal]) -> Table:
-    mark = {True: "met", False: "MISSED", None: "not measured"}
-    rows = [[g.name, g.target, g.measured, mark[g.met]] for g in goals]
-    return Table(title="Goals", headers=["goal", "target", "measured", "status"], rows=rows)
+    rows = [[g.name, g.target, g.measured, g.status] for g in goals]
+    return Table(title="Goals", headers=["goal", "target", "measured", "status"], rows=rows, note=GOALS_NOTE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +137,15 @@ class Report:
     """Raw measurements (per-step times, byte counts) for anyone recomputing the tables."""
     images: list[str] = field(default_factory=list)
     """PNG files written beside results.json (names relative to it)."""
+    load_avg_end: tuple[float, float, float] | None = None
+    """The host's 1/5/15-minute load when the run finished (`env.load_avg` is at its start): with the
+    processor (`env.host`) it says how far the run's timings can be trusted."""
 
 
 def emit(report: Report, out_dir: Path) -> Path:
     """Print the report's tables and write results.json; returns its path."""
-    print(f"\n# {report.script}: {report.command}\n# {report.env.line()}")
+    end = "" if report.load_avg_end is None else ", load at the end " + _load(report.load_avg_end)
+    print(f"\n# {report.script}: {report.command}\n# {report.env.line()}{end}")
     tables = [*report.tables, goals_table(report.goals)] if report.goals else report.tables
     for table in tables:
         print(f"\n## {table.title}\n{table.render()}")
@@ -95,6 +156,10 @@ def emit(report: Report, out_dir: Path) -> Path:
     path.write_text(json.dumps(dataclasses.asdict(report), indent=1, default=_jsonable) + "\n")
     print(f"\nwrote {path}" + "".join(f", {out_dir / name}" for name in report.images))
     return path
+
+
+def _load(load_avg: Sequence[float]) -> str:
+    return "/".join(f"{x:.1f}" for x in load_avg)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -200,6 +265,7 @@ class Invocation(Generic[C]):
         report = Report(
             script=self.script, command=self.command, env=self.env, config=dataclasses.asdict(self.cfg),
             tables=list(tables), goals=list(goals), records=list(records), images=list(images),
+            load_avg_end=tuple(round(x, 2) for x in os.getloadavg()),  # type: ignore[arg-type]
         )  # fmt: skip
         return emit(report, self.out)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from torch._dynamo.utils import counters
 
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Goal, Table, mib
+from benchmarks.common import Goal, Table, grade, mib, worst
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, side_by_side
@@ -202,20 +201,20 @@ def goals(results: list[Endurance]) -> list[Goal]:
         d = drift(r.cpu_step_s) if r.ok else None
         out += [
             _goal(f"{r.label}: RSS flat after warm-up", f"< {MAX_SLOPE_KIB:.0f} KiB per 1k steps",
-                  slope, "{:+.0f} KiB", lambda x: abs(x) < MAX_SLOPE_KIB),
+                  slope, "{:+.0f} KiB", grade(None if slope is None else abs(slope), MAX_SLOPE_KIB, "<")),
             _goal(f"{r.label}: no recompiles", "0 frame compiles and sonar recompiles after warm-up",
-                  compiles, "{}", lambda x: x == 0),
+                  compiles, "{}", grade(compiles, 0, "<=")),
             _goal(f"{r.label}: step time stable", f"CPU time, last / first quarter within {MAX_DRIFT:.0%}",
-                  None if d is None else d.median, "{:.2f}x", lambda x: abs(x - 1) <= MAX_DRIFT),
+                  None if d is None else d.median, "{:.2f}x",
+                  worst(grade(d, 1 + MAX_DRIFT, "<="), grade(d, 1 - MAX_DRIFT, ">="))),
         ]  # fmt: skip
     return out
 
 
-def _goal(name: str, target: str, value: float | None, fmt: str, met: Callable[[float], bool]) -> Goal:
-    """A goal measured as `value` (None: the arm failed, so not measured)."""
-    if value is None:
-        return Goal(name=name, target=target, measured="-", met=None)
-    return Goal(name=name, target=target, measured=fmt.format(value), met=met(value))
+def _goal(name: str, target: str, value: float | None, fmt: str, status: str) -> Goal:
+    """A goal measured as `value` (None: the arm failed, so not measured) and graded by `grade`."""
+    measured = "-" if value is None else fmt.format(value)
+    return Goal(name=name, target=target, measured=measured, status=status)
 
 
 def plot(results: list[Endurance], cfg: Config, path: Path) -> bool:

@@ -28,7 +28,7 @@ from benchmarks.arms import (
     by_label,
     run_arms,
 )
-from benchmarks.common import Goal, Table, mib
+from benchmarks.common import Goal, Table, grade, mib
 from benchmarks.handwritten import METHOD as HANDWRITTEN
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
@@ -181,7 +181,7 @@ def shape_goals(shape: str, results: list[ArmResult]) -> list[Goal]:
             name=f"{shape}: hooks on a compiled model lose the saving (the pass keeps it)",
             target="hooks < 50%, pass >= 95% of predicted",
             measured=f"hooks {_pct(hooks)}, pass {_pct(_fraction(sonar_p, std_c))}",
-            met=None if hooks is None else hooks < 0.5,
+            status=grade(hooks, 0.5, "<"),
         )
     )
     for mode, label in (("eager", "eager hooks"), ("pass", "compiled pass")):
@@ -191,7 +191,7 @@ def shape_goals(shape: str, results: list[ArmResult]) -> list[Goal]:
                 name=f"{shape}: per-expert slower than batched, {mode}",
                 target="> 1.00x",
                 measured=fmt_ratio(per),
-                met=None if per is None else per.median > 1.0,
+                status=grade(per, 1.0, ">"),
             )
         )
     return goals
@@ -209,14 +209,12 @@ def _pct(x: float | None) -> str:
 
 def _saving_goal(name: str, r: ArmResult | None, base: ArmResult | None) -> Goal:
     f = _fraction(r, base)
-    return Goal(
-        name=name, target=">= 95% of predicted", measured=_pct(f), met=None if f is None else f >= 0.95
-    )
+    return Goal(name=name, target=">= 95% of predicted", measured=_pct(f), status=grade(f, 0.95, ">="))
 
 
 def _time_goal(name: str, spread: Spread | None, limit: float) -> Goal:
-    met = None if spread is None else spread.median <= limit
-    return Goal(name=name, target=f"<= {limit:.2f}x", measured=fmt_ratio(spread), met=met)
+    status = grade(spread, limit, "<=")
+    return Goal(name=name, target=f"<= {limit:.2f}x", measured=fmt_ratio(spread), status=status)
 
 
 def main(argv: list[str] | None = None) -> None:

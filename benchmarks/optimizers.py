@@ -26,7 +26,7 @@ import torch
 from torch.utils.benchmark import timer
 
 from benchmarks import common
-from benchmarks.common import Goal, Table, mib
+from benchmarks.common import Goal, Table, grade, mib
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
@@ -296,15 +296,15 @@ def muon_goals(arms: list[Arm]) -> list[Goal]:
     state = sonar.expert_state_bytes / max(adamw.expert_state_bytes, 1)
     return [
         Goal(name="Muon expert state", target="about 1/2 of AdamW's (one buffer, not two moments)",
-             measured=f"{state:.3f}x", met=state < 0.51),
+             measured=f"{state:.3f}x", status=grade(state, 0.51, "<")),
         Goal(name="in-backward Muon time", target="within 5% of the same Muon at step()",
-             measured=f"{fmt_ratio(time)}", met=None if time is None else time.median < 1.05),
+             measured=f"{fmt_ratio(time)}", status=grade(time, 1.05, "<")),
         Goal(name="in-backward Muon memory", target="step transient below the same Muon at step()",
              measured=f"{sonar.peak_bytes / max(at_step.peak_bytes, 1):.2f}x",
-             met=sonar.peak_bytes < at_step.peak_bytes),
+             status=grade(sonar.peak_bytes, at_step.peak_bytes, "<")),
         Goal(name="Muon non-finite guard cost", target="< 5% of step time",
              measured=f"raise/ignore step ratio {fmt_ratio(guard)}",
-             met=None if guard is None else guard.median < 1.05),
+             status=grade(guard, 1.05, "<")),
     ]  # fmt: skip
 
 
@@ -340,18 +340,19 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
         Goal(name="logged norms cost", target="< 2% of step time",
              measured=f"net {net * 100:.2f}% (norm calls {gross * 100:.2f}% minus the non-finite pass they "
              f"replace; on/off step ratio {fmt_ratio(end_to_end)})",
-             met=net < 0.02),
+             status=grade(net, 0.02, "<")),
         Goal(name="non-finite check cost", target="< 2% of step time (default: it reads the logged norm)",
              measured=f"raise/ignore step ratio {fmt_ratio(checked)}; as its own aminmax pass (norms off) "
              f"{own_check * 100:.2f}% of a step",
-             met=None if checked is None else checked.median < 1.02),
+             status=grade(checked, 1.02, "<")),
         Goal(name="global clip memory", target="below standard (global clip)",
-             measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x", met=glob.peak_bytes < std.peak_bytes),
+             measured=f"{glob.peak_bytes / std.peak_bytes:.2f}x",
+             status=grade(glob.peak_bytes, std.peak_bytes, "<")),
     ]  # fmt: skip
     if lowbit_arms:
         shrink = lowbit_arms[1].expert_state_bytes / lowbit_arms[0].expert_state_bytes
         out.append(Goal(name="8-bit expert states", target="~1/4 of fp32 states", measured=f"{shrink:.3f}x",
-                        met=shrink < 0.3))  # fmt: skip
+                        status=grade(shrink, 0.3, "<")))  # fmt: skip
     return out
 
 

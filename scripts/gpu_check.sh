@@ -8,7 +8,7 @@
 # With the device tool: carry `.whl`, run `bash scripts/gpu_check.sh` with timeout_s=600; the files
 # under $OUT come back (at most 8): gpu_check.log, preflight.txt, junit.xml, results/gpu/results.json,
 # results/gpu_kernels/results.json. Copy $OUT/results/* into this repository's results/ and run
-# `python -m benchmarks.readme`: the gpu and gpu_kernels sections of docs/results.md are generated from them.
+# `python -m benchmarks.readme`: the gpu and gpu_kernels sections of docs/results-gpu.md are generated from them.
 #
 # Stages, in order of value, each under its own time limit (GPU_CHECK_<STAGE>_S) so that one slow
 # stage cannot starve the rest; a stage that fails or times out is logged and the next one runs, and

@@ -132,14 +132,16 @@ def _shown(text: str) -> str:
     return text
 
 
-def _run(case: Case, tmp: Path) -> int:
-    flags = [_fill(f, tmp) for f in case.flags]
+def _argv(case: Case) -> list[str]:
+    """The command line the test runs, placeholders unfilled: the docs show exactly this."""
     if case.command == "demo":
-        argv = ["demo", *flags]
-    else:
-        argv = ["finetune", *BASE, *([] if "--out" in case.flags else ["--out", str(tmp / "fresh")]), *flags]
+        return ["demo", *case.flags]
+    return ["finetune", *BASE, *([] if "--out" in case.flags else ["--out", "{dir}/fresh"]), *case.flags]
+
+
+def _run(case: Case, tmp: Path) -> int:
     try:
-        return main(argv)
+        return main([_fill(a, tmp) for a in _argv(case)])
     except SystemExit as exc:  # argparse's own errors exit 2 after printing the usage
         return int(exc.code or 0)
 
@@ -171,7 +173,7 @@ def test_the_exit_status_reaches_the_shell(tmp_path):
 def docs_table() -> str:
     rows = ["| input | command | exit | the message says |", "|---|---|---|---|"]
     for case in CASES:
-        command = " ".join(["sonar-fx", case.command, *(_shown(f) for f in case.flags)])
+        command = " ".join(["sonar-fx", *(_shown(a) for a in _argv(case))])
         message = " ".join(_shown(case.expect).split()).replace("|", "\\|")
         rows.append(f"| {case.input} | `{command}` | 2 | `{message}` |")
     return "\n".join([BEGIN, *rows, END])
