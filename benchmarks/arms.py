@@ -127,7 +127,9 @@ class ArmResult(MeasuredArm):
     update_calls_per_step: int | None = None
     """Fused-AdamW calls on expert tensors in one step (Sonar arms only)."""
     update_paths: dict[str, int] = field(default_factory=dict)
-    """Expert tensors updated in the last step, by path ("graph" or "hook")."""
+    """Expert tensors updated in the last step, by path ("graph", "hook", "deferred" or "kept")."""
+    kept_operand_bytes: int | None = None
+    """The deferred schedule's kept operands at their peak in the last step (None: another method)."""
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -200,6 +202,8 @@ def _describe(run: _Live, calls_before: int, held_out: Sequence[Batch]) -> None:
         result.update_calls_per_step = (report["update_calls"] - calls_before) // len(result.step_s)
         result.update_paths = dict(Counter(report["last_step"].values()))
         result.fallbacks = list(report["fallbacks"])
+        if "deferred" in report:
+            result.kept_operand_bytes = report["deferred"]["kept_operand_peak"]
     try:
         result.held_out_loss = held_out_loss(run.model, list(held_out))
     except Exception as err:

@@ -238,3 +238,20 @@ def test_inductor_deferred_equals_inductor_twin(dtype):
         assert report["updates_deferred"] == 12 and report["deferred"]["kept_whole"] == []
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+def test_nonfinite_skip_is_as_if_the_batch_was_never_seen():
+    """nonfinite="skip": an inf in one expert's gradient skips the whole step before any weight or
+    state moves (the in-backward schedule has already updated the tensors before it by then)."""
+    model = build_model("tiny-olmoe", dtype=torch.float32, seed=0)
+    sonar_fx.compile(model, cfg_for("dense"), compiler="eager", schedule="deferred", nonfinite="skip")
+    opt = model.sonar
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(**batches(1)[0]).loss.backward()
+    entries = list(opt.deferred.kept.values())
+    entries[-1][0].operands[1].fill_(float("nan"))  # the last expert tensor's dy
+    with pytest.warns(UserWarning, match="step skipped"):
+        opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not opt.state and opt.report()["skipped_steps"] == 1

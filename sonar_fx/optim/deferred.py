@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -162,6 +162,7 @@ class SonarOptimizer(global_clip.Optimizer, Protocol):
     cfg: OptimizerConfig
     clipper: ExpertClipper
     deferred: DeferredGrads
+    param_groups: list[dict[str, Any]]
     meter: ExpertGradMeter
     nonfinite_policy: NonFinitePolicy
 
@@ -185,22 +186,28 @@ def step(opt: SonarOptimizer) -> None:
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     scaler = scaler_step(opt)
     clip_all = opt.cfg.expert_clip == "global"
-    if scaler is not None or clip_all:
-        found_inf = _first_pass(opt, experts, scaler, clip_all)
+    # A verdict before any weight moves: the scaler's, the global norm, or nonfinite="skip"'s promise
+    # that a skipped step is as if never seen (each costs one more computation of every gradient).
+    skip_whole = opt.nonfinite_policy.mode == "skip"
+    if scaler is not None or clip_all or skip_whole:
+        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
             opt.clipper.abandon()
             return
         if clip_all and global_clip._global_norm(opt) is None:
             experts = []  # nonfinite="skip": the dense step below skips too
+        elif skip_whole and not clip_all and not opt.clipper.skip_step:
+            experts = [] if _skip_for_experts(opt) else experts
         if clip_all:
             opt.clipper.backward_pass = "update"  # the expert updates clip by the global coefficient
     skipped = opt.clipper.skip_step
     opt.dense_step()
-    if skipped:
+    if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
         store.clear()
-        for p in opt.expert_group["params"]:
-            p.grad = None
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
         opt.end_step()
         return
     names = []
@@ -221,6 +228,18 @@ def step(opt: SonarOptimizer) -> None:
     opt.end_step()
     if err is not None:
         raise err
+
+
+def _skip_for_experts(opt: SonarOptimizer) -> bool:
+    """nonfinite="skip", dense clip: whether an expert norm of the first pass is non-finite (the step
+    then skips whole, the dense half included, before any update)."""
+    norms = opt.clipper.current.experts
+    bad = [name for name, n in norms.items() if not bool(torch.isfinite(n))]
+    if not bad:
+        return False
+    opt.nonfinite_policy.skip_before_update(bad, opt.stats)
+    opt.clipper.skip_step = True
+    return True
 
 
 def _first_pass(

@@ -110,6 +110,11 @@ class NonFinitePolicy:
         _count_skip(stats, skipped, f"experts skipped: {len(skipped)}, dense: {'yes' if dense else 'no'}")
         return skipped
 
+    def skip_before_update(self, bad: list[str], stats: SonarStats) -> None:
+        """The deferred schedule found the non-finite expert gradients `bad` before any update
+        (nonfinite="skip"): the step is skipped whole, as if its batches had never been seen."""
+        _count_skip(stats, bad, f"in {_listing(bad)}, found before any update (schedule='deferred')")
+
     def at_global_norm(
         self,
         total: Tensor,
