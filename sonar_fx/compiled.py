@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sonar_fx.backend import record_fallback, sonar_backend
-from sonar_fx.errors import SavingLostError
+from sonar_fx.errors import SavingLostError, SonarUsageError
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime import registry
 
@@ -49,6 +49,7 @@ class CompiledForward:
         self.runs_eagerly = False
         """Run the eager forward: dynamo failed (fallback), or an inner module holds the compiled region."""
         self._owner: Callable[[], SonarOptimizer | None] | None = None  # weak, looked up once
+        self._forward_at: tuple[int, int] | None = None  # (backwards began, steps ended) at the last one
         self.__signature__ = inspect.signature(self.eager_forward.__get__(module))
         self.__doc__ = self.eager_forward.__doc__
         self.__name__ = getattr(self.eager_forward, "__name__", "forward")
@@ -67,6 +68,7 @@ class CompiledForward:
         if self.runs_eagerly:
             return self.eager_forward(module, *args, **kwargs)
         if torch.is_grad_enabled() and (optimizer := self._optimizer()) is not None:
+            self._refuse_second_forward(optimizer)
             optimizer.saving.compiled_forward()  # the saving guard checks that a step ran one
         try:
             if not self.dynamo_config:
@@ -86,6 +88,26 @@ class CompiledForward:
             if optimizer is not None:
                 record_fallback(optimizer, err)
             return self.eager_forward(module, *args, **kwargs)
+
+    def _refuse_second_forward(self, optimizer: SonarOptimizer) -> None:
+        """In-backward schedule: a second forward with grad before a backward began would give one step
+        two compiled backwards that each update every expert they see (a second update, or a
+        backward that raises part-way). Refused here, before any weight moves. A forward recomputed
+        inside backward (activation checkpointing) is not a new forward."""
+        if optimizer.schedule != "in_backward" or torch._C._current_graph_task_id() != -1:
+            return
+        began = (optimizer.tracker.backwards, optimizer.steps_ended)
+        if self._forward_at == began:
+            self._forward_at = None  # told once: the forward after this one starts afresh
+            raise SonarUsageError(
+                "the compiled model ran a second forward with gradients before any backward (two losses "
+                "backpropagated together, as DPO's chosen and rejected): the in-backward schedule updates "
+                "the experts in each compiled graph's backward, so one step would update them twice. Use "
+                "schedule='deferred' (exact: each forward's operands are kept until step()), run both "
+                "batches in one forward (torch.cat), or compiler='eager'. A forward you do not "
+                "backpropagate belongs under torch.no_grad()."
+            )
+        self._forward_at = began
 
     def _optimizer(self) -> SonarOptimizer | None:
         """The optimizer that owns this module's experts (found once, held weakly)."""

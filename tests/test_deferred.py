@@ -255,3 +255,24 @@ def test_nonfinite_skip_is_as_if_the_batch_was_never_seen():
     opt.zero_grad()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not opt.state and opt.report()["skipped_steps"] == 1
+
+
+def test_in_backward_compiled_refuses_a_second_forward_before_backward():
+    """The in-backward schedule under compile cannot run two forwards into one backward: refused at
+    the second forward, before any weight moves, naming the deferred schedule."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    sonar_fx.compile(model, cfg_for("dense"), compiler="aot_eager")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    a, b = batches(2)
+    model(**a)
+    with pytest.raises(SonarUsageError, match="schedule='deferred'"):
+        model(**b)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    opt = model.sonar
+    model(**a).loss.backward()  # one forward per backward still trains
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model(**a)
+    model(**b).loss.backward()
+    opt.step()

@@ -128,6 +128,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.tracker = StepTracker(self.accumulation)
         self.meter = ExpertGradMeter()
         self.deferred = DeferredGrads()
+        self.steps_ended = 0
+        """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
@@ -402,6 +404,7 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def _forget_step(self) -> None:
         """What every end of a step, completed or abandoned, clears."""
+        self.steps_ended += 1
         self._fresh.clear()
         self.nonfinite_policy.flags.clear()
         self.tracker.reset()
