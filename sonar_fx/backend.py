@@ -134,6 +134,8 @@ def make_sonar_backend(
     ) -> Callable[..., Any]:
         """`mode` and `options` are `torch.compile`'s, which hands them to a callable backend."""
         owners = expert_owners(example_inputs)
+        if not owners:
+            warn_unprepared()
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
         reduction = optimizer.distributed if optimizer is not None else None
@@ -158,6 +160,27 @@ def make_sonar_backend(
         return meter_returned_grads(compiled, [i for i, _ in partitioner.returned], meter_of)
 
     return backend
+
+
+_warned_unprepared = False
+
+
+def warn_unprepared() -> None:
+    """Once per process: a graph came to the sonar backend while no expert tensor is bound to any Sonar
+    optimizer (the model was never prepared), so it compiles as plain AOTAutograd and nothing is
+    updated in backward. A prepared model's graphs without experts (the loss after a graph break) are
+    not this: its optimizer is alive and bound."""
+    global _warned_unprepared
+    if _warned_unprepared or registry.bound():
+        return
+    _warned_unprepared = True
+    warnings.warn(
+        "sonar backend: no expert tensor of this graph is bound to a Sonar optimizer (and none is alive), "
+        "so it compiles as a plain torch.compile and no expert is updated in backward. Call "
+        "opt = sonar_fx.prepare(model, cfg) before torch.compile(model, backend='sonar'), or use "
+        "sonar_fx.compile(model, cfg).",
+        stacklevel=2,
+    )
 
 
 def guard_saving(

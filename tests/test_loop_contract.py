@@ -8,12 +8,17 @@ not. Models: the reference model (same expert layout as the transformers familie
 from __future__ import annotations
 
 import dataclasses
+import gc
+import warnings
 
 import pytest
 import torch
 
 import sonar_fx
+from sonar_fx import backend
+from sonar_fx.backend import sonar_backend
 from sonar_fx.models import build_model
+from sonar_fx.runtime import registry
 
 from helpers import CFG, assert_same_weights, batches
 
@@ -202,3 +207,33 @@ def test_second_backward_through_a_retained_graph_is_refused_before_any_update(c
     with pytest.raises(sonar_fx.SonarUsageError, match=r"retained graph"):
         loss.backward()
     _unchanged(model, before)
+
+
+# 7 ------------------------------------------------------------- the sonar backend, model not prepared
+
+
+def test_sonar_backend_on_an_unprepared_model_warns_once(monkeypatch):
+    torch._dynamo.reset()  # its caches hold earlier tests' models, and so their optimizers' bindings
+    gc.collect()
+    assert not registry.bound(), "a Sonar optimizer of an earlier test is still alive"
+    monkeypatch.setattr(backend, "_warned_unprepared", False)
+    model = build_model("tiny-reference", seed=0)
+    compiled = torch.compile(model, backend=sonar_backend("aot_eager"))
+    with pytest.warns(UserWarning, match=r"sonar_fx\.prepare"):
+        compiled(**batches(1)[0]).loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch._dynamo.reset()
+        compiled(**batches(1)[0]).loss.backward()  # once per process
+
+
+def test_sonar_backend_on_a_prepared_model_does_not_warn(monkeypatch):
+    monkeypatch.setattr(backend, "_warned_unprepared", False)
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", seed=0)
+    opt = sonar_fx.prepare(model, CFG)
+    compiled = torch.compile(model, backend=sonar_backend("aot_eager"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compiled(**batches(1)[0]).loss.backward()
+    opt.step()
