@@ -19,6 +19,7 @@ from sonar_fx.experts.discovery import (
     discover_experts,
 )
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.torch_state import load_torch_state_dict, to_torch_state_dict
 from sonar_fx.runtime.registry import UnboundExpertError
 
 __all__ = [
@@ -41,7 +42,9 @@ __all__ = [
     "UnboundExpertError",
     "compile",
     "discover_experts",
+    "load_torch_state_dict",
     "prepare",
+    "to_torch_state_dict",
 ]
 __version__ = "0.1.0"
 

@@ -116,11 +116,13 @@ class SonarPartitioner(CustomPartitionerFn):
 
 @functools.cache
 def sonar_backend(
-    compiler: BackendCompiler = "inductor", *, fallback: bool = True
+    compiler: BackendCompiler = "inductor", *, fallback: bool = True, schedule: str | None = "in_backward"
 ) -> Callable[..., Callable[..., Any]]:
-    """The dynamo backend for `compiler`. One object per setting, so every model compiled with the same
-    setting shares dynamo's cache entries (graphs are reused across modules: binding is at run time)."""
-    return make_sonar_backend(compiler, fallback=fallback)
+    """The dynamo backend for `compiler` and `schedule`. One object per setting, so every model compiled
+    with the same setting shares dynamo's cache entries (graphs are reused across modules: binding is at
+    run time), and none with another setting: dynamo's cache entries are guarded on their backend, so
+    a graph rewritten for one schedule never runs for a model prepared with the other."""
+    return make_sonar_backend(compiler, fallback=fallback, schedule=schedule)
 
 
 def make_sonar_backend(
@@ -129,9 +131,11 @@ def make_sonar_backend(
     fallback: bool = True,
     bw_pass: BackwardPass = expert_update_pass,
     save_params: bool = True,
+    schedule: str | None = None,
 ) -> Callable[..., Callable[..., Any]]:
     """A new dynamo backend; `bw_pass` replaces the backward pass and `save_params=False` drops the
-    weight hand-over (ablations in tests and benchmarks)."""
+    weight hand-over (ablations in tests and benchmarks). `schedule`: the pass for "in_backward" or
+    "deferred" models; None (the registered "sonar" backend) takes the owning optimizer's."""
     if compiler not in ("inductor", "aot_eager"):
         raise ValueError(f"compiler={compiler!r}: the sonar backend compiles with 'inductor' or 'aot_eager'.")
 
@@ -140,12 +144,14 @@ def make_sonar_backend(
     ) -> Callable[..., Any]:
         """`mode` and `options` are `torch.compile`'s, which hands them to a callable backend."""
         owners = expert_owners(example_inputs)
+        if not owners:
+            warn_unprepared()
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
         reduction = optimizer.distributed if optimizer is not None else None
         if reduction is not None and reduction.in_graph == "hooks":
             owners = {}  # the engine reduces after the graph returns: the hooks update
-        chosen, knobs = schedule_pass(optimizer, bw_pass, compiler)
+        chosen, knobs = schedule_pass(optimizer, bw_pass, compiler, schedule)
         partitioner = SonarPartitioner(
             owners, bw_pass=chosen, reduce=reduce, save_params=save_params, bw_knobs=knobs
         )
@@ -170,13 +176,36 @@ def make_sonar_backend(
 
 
 def schedule_pass(
-    optimizer: SonarOptimizer | None, bw_pass: BackwardPass, compiler: str
+    optimizer: SonarOptimizer | None, bw_pass: BackwardPass, compiler: str, schedule: str | None
 ) -> tuple[BackwardPass, dict[str, Any]]:
-    """The backward pass for the owner's schedule: the deferred schedule hands operands over instead of
-    updating (its op copies them under inductor, which reuses buffers it considers dead)."""
-    if optimizer is None or optimizer.schedule != "deferred" or bw_pass is not expert_update_pass:
+    """The backward pass for `schedule` (None: the owner's): the deferred schedule hands operands over
+    instead of updating (its op copies them under inductor, which reuses buffers it considers dead)."""
+    if schedule is None:
+        schedule = optimizer.schedule if optimizer is not None else "in_backward"
+    if schedule != "deferred" or bw_pass is not expert_update_pass:
         return bw_pass, {}
     return expert_defer_pass, {"own_operands": compiler == "inductor"}
+
+
+_warned_unprepared = False
+
+
+def warn_unprepared() -> None:
+    """Once per process: a graph came to the sonar backend while no expert tensor is bound to any Sonar
+    optimizer (the model was never prepared), so it compiles as plain AOTAutograd and nothing is
+    updated in backward. A prepared model's graphs without experts (the loss after a graph break) are
+    not this: its optimizer is alive and bound."""
+    global _warned_unprepared
+    if _warned_unprepared or registry.bound():
+        return
+    _warned_unprepared = True
+    warnings.warn(
+        "sonar backend: no expert tensor of this graph is bound to a Sonar optimizer (and none is alive), "
+        "so it compiles as a plain torch.compile and no expert is updated in backward. Call "
+        "opt = sonar_fx.prepare(model, cfg) before torch.compile(model, backend='sonar'), or use "
+        "sonar_fx.compile(model, cfg).",
+        stacklevel=2,
+    )
 
 
 def guard_saving(
@@ -299,4 +328,5 @@ def sonar(
     gm: GraphModule, example_inputs: list[Any], *, mode: str | None = None, options: Options = None
 ) -> Callable[..., Any]:
     """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
-    return sonar_backend("inductor")(gm, example_inputs, mode=mode, options=options)
+    # The owner's schedule: a model prepared with schedule="deferred" gets the deferred pass.
+    return sonar_backend("inductor", schedule=None)(gm, example_inputs, mode=mode, options=options)

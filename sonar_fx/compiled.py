@@ -44,7 +44,9 @@ class CompiledForward:
         self.dynamo_config = dict(dynamo_config or {})
         self.torch_compile_kwargs = torch_compile_kwargs
         self.eager_forward: Callable[..., Any] = type(module).forward
-        backend = sonar_backend(compiler, fallback=fallback)
+        owner = next((o for p in module.parameters() if (o := registry.owner_of(p)) is not None), None)
+        schedule = getattr(owner, "schedule", "in_backward")
+        backend = sonar_backend(compiler, fallback=fallback, schedule=schedule)
         self.compiled = torch.compile(self.eager_forward, backend=backend, **torch_compile_kwargs)
         self.runs_eagerly = False
         """Run the eager forward: dynamo failed (fallback), or an inner module holds the compiled region."""

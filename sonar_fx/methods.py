@@ -122,7 +122,8 @@ class Method:
 
     def updates_in_hooks(self, execution: Execution) -> bool:
         """Whether its in-backward updates run in post-accumulate-grad hooks (not in the graph)."""
-        return self.per_param_hooks or (self.sonar and not (execution.compiled and execution.sonar_pass))
+        in_backward = self.sonar and self.schedule == "in_backward"
+        return self.per_param_hooks or (in_backward and not (execution.compiled and execution.sonar_pass))
 
     def check_clip(self, cfg: OptimizerConfig) -> None:
         """A baseline clips as its name says; an `expert_clip` it cannot honour is refused, not ignored."""

@@ -108,7 +108,7 @@ def test_on_saving_lost_raise_refuses_before_any_update_and_names_the_fix(monkey
     first forward raises the guard's own error, not a compiler fallback."""
     assert resolve_on_saving_lost(None) == "raise"  # tests/conftest.py
     ablation = make_sonar_backend("aot_eager", save_params=False)
-    monkeypatch.setattr(sonar_fx.compiled, "sonar_backend", lambda compiler, fallback=True: ablation)
+    monkeypatch.setattr(sonar_fx.compiled, "sonar_backend", lambda *args, **kwargs: ablation)
     torch._dynamo.reset()
     model = build_model("tiny-qwen3moe", dtype=torch.bfloat16, seed=0, num_hidden_layers=1)
     model.set_experts_implementation("batched_mm")

@@ -61,3 +61,46 @@ def check_tensor(name: str, param: Tensor, grad: Tensor, state: dict[str, Any]) 
             "(model.half(), model.to(...)) after training started. Cast or move the model before "
             "the first step, or load a checkpoint into a model already on its final device and dtype."
         )
+
+
+def refuse_fp16_autocast(devices: set[str]) -> None:
+    """Raise for a backward whose forward ran under float16 autocast on `devices` (none: nothing to
+    refuse). fp16 needs a GradScaler, whose scaled gradients Sonar would apply to the experts inside
+    backward, before the scaler could unscale them or skip the step."""
+    if devices:
+        raise SonarUsageError(
+            f"the forward ran under float16 autocast ({', '.join(sorted(devices))}): fp16 needs a "
+            "GradScaler, and Sonar updates the experts inside backward from the scaled gradients, before "
+            "GradScaler can unscale them or skip a step with inf. Use bf16 autocast (no scaler), or "
+            "sonar_fx.compile(..., schedule='deferred'), which updates the experts at step()."
+        )
+
+
+def refuse_second_step() -> None:
+    """No gradient arrived since the last `step()`: torch would apply the same gradients again, but
+    Sonar's expert gradients are gone (applied in backward), so only the dense tensors would step."""
+    raise SonarUsageError(
+        "optimizer.step() was called again with no backward since the last step(): the dense gradients "
+        "are the ones already applied, and the experts have no gradient left (Sonar applied it in "
+        "backward), so only the dense tensors would step a second time. Call zero_grad() and "
+        "loss.backward() before every step()."
+    )
+
+
+def refuse_changed_grads(names: list[str], max_grad_norm: float | None, experts_updated: bool) -> None:
+    """Dense gradients were written after backward and before `step()` (a `clip_grad_norm_` of the
+    user's own, as habit), while Sonar clips them itself: the second clip is not a no-op."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    after = (
+        " The experts of this step were already updated in backward: call optimizer.abandon_step() (or "
+        "restore the last checkpoint) before going on."
+        if experts_updated
+        else ""
+    )
+    raise SonarUsageError(
+        f"dense gradients changed between backward and step() ({shown}): a clip_grad_norm_ of your own? "
+        f"Sonar already clips them at step() (max_grad_norm={max_grad_norm}), and a second clip is not a "
+        "no-op. Drop your clip, or compile with max_grad_norm=None and clip yourself (expert .grad stays "
+        "None, so clip_grad_norm_(model.parameters()) then clips the dense gradients only, as the method "
+        "does); for a clip over ALL parameters, schedule='deferred'." + after
+    )

@@ -27,8 +27,9 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.checks import check_tensor, refuse_unsupported
+from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
 from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
@@ -104,13 +105,23 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Watches the model for trainable tensors no group holds (set by `prepare`)."""
         experts = self.experts.params
         split = {id(p) for p in matrices} if self.matrix_rule is not None else set()
+        # Each group also carries its torch twin's own keys (fused=True, ...), which a twin loading this
+        # state dict then keeps (torch's loader takes every group key from the state dict).
         groups = [
-            dict(params=[p for p in dense_params if id(p) not in split], name="dense"),
-            dict(params=experts, name="experts", **self.expert_rule.defaults(cfg)),
+            dict(
+                params=[p for p in dense_params if id(p) not in split], name="dense", **self.rule.torch_keys()
+            ),
+            dict(
+                params=experts,
+                name="experts",
+                **self.expert_rule.defaults(cfg),
+                **self.expert_rule.torch_keys(),
+            ),
         ]
         if self.matrix_rule is not None:
             hidden = [p for p in dense_params if id(p) in split]
-            groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg)))
+            groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg),
+                               **self.matrix_rule.torch_keys()))  # fmt: skip
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
         rank = {id(p): i for i, p in enumerate(order)}
         labels = dict(zip(map(id, dense_params), dense_names or (), strict=False))
@@ -126,6 +137,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _bind(self) -> None:
         """Own the expert tensors: registry entries and hooks, both released when self is collected."""
         self.tracker = StepTracker(self.accumulation)
+        self.grad_watch = DenseGradWatch()
         self.meter = ExpertGradMeter()
         self.deferred = DeferredGrads()
         self.steps_ended = 0
@@ -239,6 +251,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         name = self._names.get(id(param))
         if name is None:
             raise KeyError("update_expert_ got a tensor that is not one of this optimizer's experts.")
+        if self.schedule == "deferred" and path == "graph":
+            raise SonarUsageError(
+                f"{name}: a graph compiled for the in-backward schedule ran for a model prepared with "
+                "schedule='deferred' (a graph dynamo reused across models of one class under the 'sonar' "
+                "backend). Prepare every model of one class with the same schedule, or call "
+                "torch._dynamo.reset() between them."
+            )
         check_tensor(name, param, grad, self.state.get(param, {}))
         if self.distributed is None:
             refuse_unreduced(name, reduced)
@@ -298,6 +317,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Autograd runs this when a backward that updated experts (or began at the model's outputs)
         ends; never when it raised."""
         self.tracker.backward_finished()
+        self.grad_watch.backward_finished(self._dense)
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -317,6 +337,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.schedule == "deferred":
             deferred.step(self)
             return
+        if not self.tracker.updated and self.grad_watch.stale(self._dense):
+            refuse_second_step()
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
             return
@@ -347,6 +369,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             self._forget_fresh_states(skipped)
             self.clipper.skip_step = True
             return
+        self._refuse_changed_grads()
         clip_by = norms.total if self.cfg.expert_clip == "global" else norms.dense
         if self.cfg.clips and clip_by is not None and grads:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, clip_by)  # type: ignore[arg-type]
@@ -354,6 +377,17 @@ class SonarOptimizer(torch.optim.Optimizer):
             stepped = [p for p in group["params"] if p.grad is not None]
             states = [self._state(p, rule=rule) for p in stepped]
             rule.update_(stepped, [p.grad for p in stepped], states, group)
+
+    def _refuse_changed_grads(self) -> None:
+        """Dense gradients written after backward (a clip of the user's own) while Sonar clips: refused
+        before any dense tensor moves (`grad_watch`); after the non-finite check, which names a NaN."""
+        # Distributed engines may rewrite dense gradients after backward's end (DDP's reducer): unwatched.
+        if self.cfg.clips and self.distributed is None:
+            changed = self.grad_watch.changed_since_backward(self._dense)
+            if changed:
+                refuse_changed_grads(
+                    [self.dense_name(p) for p in changed], self.cfg.max_grad_norm, bool(self.tracker.updated)
+                )
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
         """Backward for this optimizer's step; returns the loss, detached. `loss` is the loss, or a
@@ -392,6 +426,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._end_step()
 
     def _end_step(self) -> None:
+        self.grad_watch.step_finished(self._dense)
         self.saving.end_step(
             compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
             fallbacks=self.stats.fallbacks,

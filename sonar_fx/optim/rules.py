@@ -43,6 +43,11 @@ class AdamRule(UpdateRule):
         assert isinstance(cfg, (AdamWConfig, AdamConfig))
         return dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
+    def torch_keys(self) -> dict[str, Any]:
+        # What torch.optim.AdamW(fused=True) (Adam(fused=True) for decoupled=False) puts in its groups.
+        return dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                    fused=True, decoupled_weight_decay=self.decoupled)  # fmt: skip
+
     def init_state(self, param: Tensor, state: State) -> None:
         # Same state tensors as torch's fused Adam(W): moments in the param's dtype and layout (bf16
         # params get bf16 states), the step as a 0-d float32 on its device.

@@ -15,6 +15,7 @@ forward), and a step left partial by an exception. It never updates anything its
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
+from sonar_fx.optim.checks import refuse_fp16_autocast
 
 Accumulation = Literal["per_microbatch"] | None
 NO_TASK = -1  # what autograd reports outside any backward
@@ -54,6 +56,12 @@ class StepTracker:
             self.interrupted = list(self.updated)
         if self.interrupted is not None:
             raise self.interrupted_error("a new backward")
+        if self.updated and self.open_task is None and self.accumulation is None:
+            # The last backward finished and updated experts; refused here, before this one's graph runs:
+            # a compiled backward would otherwise first meet weights the last one updated in place and
+            # stop with torch's "modified by an inplace operation".
+            first, more = next(iter(self.updated)), len(self.updated) - 1
+            self._accumulating(f"a second backward began (this step already updated {first} and {more} more)")
         self.open_task, self.rooted = torch._C._current_graph_task_id(), True
         self.backwards += 1
 
@@ -80,7 +88,7 @@ class StepTracker:
                     "Sonar updates a tensor once its gradient is complete; compile the whole model "
                     "(regional=False) or use compiler='eager', whose hook fires once per backward."
                 )
-            self._accumulating(name)
+            self._accumulating(f"{name} received a second gradient")
         if task != NO_TASK and self.open_task is None:
             self.open_task = task
             return True
@@ -119,13 +127,13 @@ class StepTracker:
             names,
         )
 
-    def _accumulating(self, name: str) -> None:
+    def _accumulating(self, what: str) -> None:
         if self.accumulation is None:
             raise SonarUsageError(
-                f"{name} received a second gradient before optimizer.step(): this looks like gradient "
-                "accumulation. Sonar updates experts inside each backward, so accumulating would apply one "
-                "update per micro-batch, a different optimizer. Call step() after every backward, or opt in "
-                "with sonar_fx.compile(..., accumulation='per_microbatch')."
+                f"{what} before optimizer.step(): this looks like gradient accumulation (or a second "
+                "backward through a retained graph). Sonar updates experts inside each backward, so "
+                "accumulating would apply one update per micro-batch, a different optimizer. Call step() "
+                "after every backward, or opt in with sonar_fx.compile(..., accumulation='per_microbatch')."
             )
         if not self._warned_accumulation:
             self._warned_accumulation = True
@@ -144,6 +152,35 @@ def mark_backward_root(module: nn.Module, args: Any, output: Any) -> None:
     owner = module.__dict__.get("sonar")
     if owner is None or not torch.is_grad_enabled():
         return
-    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: owner.backward_began(), mode="any")
+    tensors = [t for t in _tensors(output) if t.requires_grad]
+    if not tensors:
+        return
+    # Read now (autocast is a forward-time state), refused when a backward begins: an fp16 forward
+    # that never backwards (evaluation without no_grad) trains nothing wrong.
+    # The deferred schedule joins the GradScaler's unscale and verdict at step(): fp16 is exact there.
+    in_backward = getattr(owner, "schedule", "in_backward") == "in_backward"
+    fp16 = _fp16_autocast({p.device.type for p in owner.experts.params}) if in_backward else set()
+
+    def began(_: Any) -> None:
+        refuse_fp16_autocast(fp16)
+        owner.backward_began()
+
+    torch.autograd.graph.register_multi_grad_hook(tensors, began, mode="any")
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output: pytree leaves, and the fields of a plain dataclass output (not a
+    pytree node, unlike transformers' ModelOutput), so its backward is seen beginning too."""
+    found = []
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return found
+
+
+def _fp16_autocast(devices: set[str]) -> set[str]:
+    return {
+        d for d in devices if torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
+    }

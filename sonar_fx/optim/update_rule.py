@@ -33,6 +33,12 @@ class UpdateRule(ABC):
     def defaults(self, cfg: OptimizerConfig) -> dict[str, Any]:
         """The hyper-parameters each param group carries (LR schedulers and `state_dict` see them)."""
 
+    def torch_keys(self) -> dict[str, Any]:
+        """The keys beyond the hyper-parameters that the group of this rule's torch twin carries (fused,
+        foreach, ...), with the twin's values: a twin that loads Sonar's state dict keeps its settings
+        (torch's loader takes every group key from the state dict). None by default."""
+        return {}
+
     def init_state(self, param: Tensor, state: State) -> None:
         """Fill the empty `state` of `param` before its first update (may leave it empty)."""
         return  # default: no state before the first update (SGD creates its momentum there)
