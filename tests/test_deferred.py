@@ -24,6 +24,13 @@ from helpers import CFG, assert_same_weights, batches
 MAX_NORM = 0.05  # below every step's total norm on these models: the clip is active on each step
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: earlier tests' graphs of the same class would count toward
+    dynamo's recompile limit (8 per code object) and send later compiles to eager."""
+    torch._dynamo.reset()
+
+
 def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
     return replace(CFG, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
 
@@ -276,3 +283,25 @@ def test_in_backward_compiled_refuses_a_second_forward_before_backward():
         model(**a)
     model(**b).loss.backward()
     opt.step()
+
+
+def test_models_of_one_class_with_both_schedules_in_one_process():
+    """Dynamo reuses a graph across models of one class: the in-backward and the deferred model each
+    get their own backend, so each runs its own pass (both exact against their twins)."""
+    for clip in ("dense", "all"):
+        model, opt, twin_model, twin = pair("aot_eager", torch.bfloat16, clip)
+        plain = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+        plain_twin = copy.deepcopy(plain)
+        sonar_fx.compile(plain, cfg_for("dense"), compiler="aot_eager")
+        names = {plain.sonar.expert_name(p) for p in plain.sonar.expert_group["params"]}
+        ptwin = Twin(plain_twin, names, "dense", "aot_eager")
+        for b in batches(3):
+            for m, o, t in ((model, opt, twin), (plain, plain.sonar, ptwin)):
+                m(**b).loss.backward()
+                o.step()
+                o.zero_grad()
+                t.run(**b).loss.backward()
+                t.step()
+        assert_same_weights(model, twin_model)
+        assert_same_weights(plain, plain_twin)
+        assert opt.report()["updates_deferred"] == 12 and plain.sonar.report()["updates_in_graph"] == 12

@@ -71,7 +71,8 @@ def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tenso
     recipe = _RECIPES[transposed]
 
     def keep(dy: Tensor) -> None:
-        owner.defer_expert_(param, recipe, [x.t(), dy, offs])
+        # x detached: the kept operand must not hold the autograd graph upstream of it alive.
+        owner.defer_expert_(param, recipe, [x.detach().t(), dy, offs])
 
     y.register_hook(keep)
     return y
