@@ -47,7 +47,9 @@ test-fast: $(STAMP)
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
 # step times swing), then the docs' Results pages and the README's headline are regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
-BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers endurance
+# Every CPU benchmark (the GPU ones run on a lent GPU: bench-gpu).
+BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers \
+	endurance hot_path saving_cases families distributed plan_accuracy
 bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b $(BENCH_ARGS) || exit 1; done
 	$(PY) -m benchmarks.readme

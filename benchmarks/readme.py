@@ -7,8 +7,9 @@ docs/ (the Results pages hold them, under hand-written prose that says how to re
 script whose markers are nowhere gets them appended to docs/results.md). Writes the index of every
 benchmark (its page, date and goal grades) between `<!-- results:start -->` and `<!-- results:end -->`
 in docs/results.md, and the few headline numbers between `<!-- headline:start -->` and
-`<!-- headline:end -->` in README.md: cells copied from the methods benchmark's tables (Sonar's eager
-hooks and compiled pass against standard training), with the command and the date that produced them.
+`<!-- headline:end -->` in README.md: from the methods benchmark's records, Sonar's eager hooks and
+compiled pass against the exact twin and against standard training with a global clip, peak allocated
+as the paper counts it beside the step's transient, with the command, the date and every goal missed.
 Every number comes from a JSON file; nothing here is typed by hand. It never touches a file outside its
 markers. `--check` only reports whether every file is current (exit 1 if not).
 """
@@ -26,12 +27,11 @@ from typing import Any
 from tabulate import tabulate
 
 from benchmarks.common import GOALS_NOTE, RESULTS_DIR, goal_status, load_reports
+from sonar_fx.measure import fmt_ratio, paired_ratio
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 HEADLINE_ARMS = ("sonar · eager hooks", "sonar · compiled pass")
-HEADLINE_COLUMNS = ("arm", "Δ peak", "saved / predicted MiB", "× standard")
-"""The README's headline: these cells of every model's table in the methods benchmark."""
 ORDER = (
     "methods",
     "granularity",
@@ -92,25 +92,69 @@ def render_section(reports: dict[str, dict[str, Any]], pages: dict[str, Path], d
 
 
 def render_headline(reports: dict[str, dict[str, Any]]) -> str:
-    """The README's few numbers: `HEADLINE_COLUMNS` of `HEADLINE_ARMS` in each methods table."""
+    """The README's few numbers, from the methods benchmark's records: each Sonar arm's peak allocated
+    (weights + optimizer states + the step, as the paper counts) and the step's transient, against the
+    exact twin (standard_no_expert_clip) and against standard with a global clip, in the same execution;
+    then every goal of that run that was not met."""
     data = reports.get("methods")
     if data is None:
         return "No results yet: run `python -m benchmarks.methods`, then `python -m benchmarks.readme`."
+    records = [r for r in data.get("records", []) if r.get("error") is None]
+    by = {(r["shape"], r["label"]): r for r in records}
     rows = []
-    for t in data["tables"]:
-        if not set(HEADLINE_COLUMNS) <= set(t["headers"]) or ":" not in t["title"]:
-            continue  # not one model's arms
-        columns = [t["headers"].index(h) for h in HEADLINE_COLUMNS]
-        model = t["title"].split(":", 1)[0]
-        rows += [[model, *(r[i] for i in columns)] for r in t["rows"] if r[0] in HEADLINE_ARMS]
+    for (shape, label), r in by.items():
+        if label not in HEADLINE_ARMS:
+            continue
+        execution = "eager" if label.endswith("eager hooks") else "compiled"
+        twin = by.get((shape, f"standard_no_expert_clip · {execution}"))
+        std = by.get((shape, f"standard · {execution}"))
+        if twin is None or std is None:
+            continue
+        rows.append(
+            [
+                shape, label,
+                _versus(_total(r), _total(twin)),
+                _versus(r["peak_bytes"], twin["peak_bytes"]),
+                _ratio(r, twin), _ratio(r, std),
+            ]
+        )  # fmt: skip
     env = data["env"]
-    table = tabulate(rows, headers=["model", *HEADLINE_COLUMNS], tablefmt="github", disable_numparse=True)
-    return (
-        f"`{data['command']}` ({env['date'][:10]}, {env['device']} on {env['host']}, {env['cores']} cores): "
-        "one training step's peak memory and step time against standard training in the same "
-        "execution (eager or compiled); saved / predicted: the saving against all expert-gradient bytes "
-        f"less one layer's.\n\n{table}"
+    headers = [
+        "model",
+        "arm",
+        "peak allocated MiB vs twin",
+        "step transient MiB vs twin",
+        "× twin",
+        "× standard",
+    ]
+    table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    missed = [g for g in data.get("goals", []) if goal_status(g) != "met"]
+    goals = "; ".join(
+        f"{g['name']}: {goal_status(g)} ({g['measured']} against {g['target']})" for g in missed
     )
+    return (
+        f"`{data['command']}` ({env['date'][:10]}, {env['device']} on {env['host']}, {env['cores']} cores). "
+        "Peak allocated: weights, optimizer states and the step's peak, as the paper counts; the step "
+        "transient leaves out weights and states. *The twin*: plain torch with the same clip (dense "
+        "gradients only), the run Sonar equals bitwise; *standard*: plain torch clipping every gradient "
+        "(the paper's baseline). × is the median of paired per-round step-time ratios [IQR].\n\n"
+        f"{table}\n\nGoals of this run not met: {goals or 'none'}."
+    )
+
+
+def _total(r: dict[str, Any]) -> int:
+    return int(r["resident_bytes"]) + int(r["peak_bytes"])
+
+
+def _versus(a: int, b: int) -> str:
+    """`a` against `b` in MiB, with the change."""
+    return f"{a / 2**20:.1f} vs {b / 2**20:.1f} ({100 * (a / b - 1):+.1f}%)"
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if len(a["step_s"]) != len(b["step_s"]) or not a["step_s"]:
+        return "-"
+    return fmt_ratio(paired_ratio(a["step_s"], b["step_s"]))
 
 
 def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> str:
