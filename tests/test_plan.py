@@ -330,6 +330,12 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     assert row["saving_error"] == pytest.approx(10 / 600) and row["standard_abs_error"] == pytest.approx(
         0.001
     )
+    kept = dict(predicted_kept=2**20, measured_kept=2**20, predicted_crossed=["a"], measured_crossed=["a"])
+    deferred = [dict(records[0], label="d"), dict(records[1], label="d", method="sonar_deferred", **kept)]
+    (drow,) = plan_accuracy.accuracy_rows(deferred)
+    assert drow["saving_error"] == pytest.approx(10 / 600) and drow["predicted_crossed"] == 1
+    table = plan_accuracy.accuracy_table([row, drow], plan_accuracy.DEFERRED, deferred=True)
+    assert len(table.rows) == 1 and "1.00 / 1.00" in table.rows[0]  # only the deferred case, its operands
     cfg = plan_accuracy.Config(tolerance=0.005)
     goals = plan_accuracy.goals(cfg, [row], [], {})
     assert [g.met for g in goals] == [False, True]  # 1% misses 0.5%; the saving is within 5%

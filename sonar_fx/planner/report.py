@@ -121,8 +121,9 @@ def format_plan(p: Plan) -> str:
         ]
         if deferred:
             row.append("-" if m.kept_operand_bytes is None else f"{m.kept_operand_bytes / scale:.2f}")
+        expected = predicted - (m.kept_operand_bytes or 0)  # the deferred schedule keeps its operands
         row += (
-            [f"{saving / scale:.2f} {unit}", f"{saving / predicted:.0%}"]
+            [f"{saving / scale:.2f} {unit}", f"{saving / expected:.0%}" if expected > 0 else "-"]
             if saving is not None
             else ["-", "-"]
         )
@@ -142,7 +143,9 @@ def format_plan(p: Plan) -> str:
         "Peak allocated bytes of training step 2 (optimizer states alive), split by what is alive at the "
         f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "
         f"{p.expert_grad.total / scale:.2f} {unit} minus one layer "
-        f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}.",
+        f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}"
+        + (", less its kept operands for sonar_deferred (bytes among activations and temporaries)."
+           if deferred else "."),
         f"Planned: {p.execution}, on fake tensors in {p.seconds:.0f} s ({p.cpu_seconds:.0f} s of CPU).",
         "",
         format_modes(p, unit, scale),
