@@ -78,11 +78,18 @@ class Case:
     state_bits: int = 32
     dense_state_bits: int = 32
     seq: int = 64
+    grad_accum: int = 1
+    """Micro-batches per step (gradients accumulated)."""
+    methods: tuple[str, ...] = ()
+    """Methods to plan and measure (empty: `Config.methods`)."""
 
     @property
     def label(self) -> str:
         bits = f"{self.state_bits}/{self.dense_state_bits}"
-        return f"{self.family} b{self.batch} {self.dtype} {'ckpt' if self.checkpointing else '-'} {bits}"
+        accum = f" x{self.grad_accum}" if self.grad_accum > 1 else ""
+        return (
+            f"{self.family} b{self.batch}{accum} {self.dtype} {'ckpt' if self.checkpointing else '-'} {bits}"
+        )
 
 
 CASES = (
@@ -103,6 +110,14 @@ CASES = (
     Case(family="qwen3moe", batch=4, dtype="fp32"),
     Case(family="qwen3moe", batch=2, dtype="fp32", checkpointing=True),
 )  # fmt: skip
+DEFERRED = ("standard", "sonar_deferred")
+DEFERRED_CASES = (
+    Case(family="olmoe", batch=2, methods=DEFERRED),
+    Case(family="olmoe", batch=2, grad_accum=4, methods=DEFERRED),
+    Case(family="granitemoe", batch=2, grad_accum=4, methods=DEFERRED),
+    Case(family="granitemoe", batch=4, grad_accum=4, methods=DEFERRED),  # down_proj crosses over
+)  # fmt: skip
+"""The deferred schedule against standard, with accumulation, below and past a tensor's crossover."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +156,7 @@ PAPER_SWEEP = {2: 12.0, 8: 9.4, 16: 5.2, 32: 0.0}
 class Config:
     """One run of this script."""
 
-    cases: tuple[Case, ...] = CASES
+    cases: tuple[Case, ...] = CASES + DEFERRED_CASES
     methods: tuple[str, ...] = ("standard", "sonar")
     paper_rows: tuple[PaperRow, ...] = PAPER_ROWS
     sweep: dict[int, float] = field(default_factory=lambda: dict(PAPER_SWEEP))
@@ -154,11 +169,12 @@ class Config:
     """Goal: a full-size OLMoE-1B-7B plan of the four default methods takes less."""
 
 
-QUICK = Config(cases=CASES[:1] + CASES[6:7], paper_rows=PAPER_ROWS[8:], sweep={})
+QUICK = Config(cases=CASES[:1] + CASES[6:7] + DEFERRED_CASES[1:2], paper_rows=PAPER_ROWS[8:], sweep={})
 
 
 def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
     """Plan `case` on fake CPU tensors, then measure the same step on real ones; one record per method."""
+    methods = case.methods or methods
     family, dtype = FAMILIES[case.family], {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     bits = dict(state_bits=case.state_bits, dense_state_bits=case.dense_state_bits)
     cfg = AdamWConfig(lr=1e-3, **bits)  # type: ignore[arg-type]
@@ -171,6 +187,7 @@ def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
         methods=methods,
         device="cpu",
         gradient_checkpointing=case.checkpointing,
+        grad_accum=case.grad_accum,
     )
     records = []
     for name in methods:
@@ -178,11 +195,13 @@ def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
         if case.checkpointing:
             enable_checkpointing(model, case.label)
         method = build_method(name, model, cfg)
-        first, second = random_batches(2, batch=case.batch, seq=case.seq)
+        batches = random_batches(2 * case.grad_accum, batch=case.batch, seq=case.seq)
+        first, second = batches[: case.grad_accum], batches[case.grad_accum :]
         method.train_step(first)  # creates the optimizer states, as the plan's first step does
         start = _bytes_alive(model, method.optimizers, second)
         _, peak = measure_peak(partial(method.train_step, second))
         mine = predicted.method(name)
+        deferred = getattr(method.optimizer, "deferred", None) if name == "sonar_deferred" else None
         records.append(
             {
                 "case": asdict(case),
@@ -196,17 +215,21 @@ def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
                 "categories": mine.categories,
                 "predicted_saving_formula": predicted.expert_grad.predicted_saving,
                 "plan_seconds": predicted.seconds,
+                "predicted_kept": mine.kept_operand_bytes,
+                "measured_kept": None if deferred is None else deferred.last_peak_bytes,
+                "predicted_crossed": list(mine.crossed_over),
+                "measured_crossed": [] if deferred is None else sorted(deferred.crossed),
             }
         )
     return records
 
 
-def _bytes_alive(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], batch: dict) -> int:
+def _bytes_alive(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], batches: list[dict]) -> int:
     """Storage bytes of the weights, buffers, any gradients, every optimizer state (torchao's quantized
     ones through their inner tensors) and the batch, each storage once."""
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
     tensors += [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-    tensors += [*model.buffers(), *batch.values()]
+    tensors += [*model.buffers(), *(t for b in batches for t in b.values())]
     storages = {id(st): st.nbytes() for t in tensors for st in get_untyped_storages(t)}
     return sum(storages.values())
 
@@ -249,9 +272,15 @@ def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{name}_abs_error"] = (
                 (r["predicted_peak"]) / (r["measured_start"] + r["measured_transient"]) - 1
             )
-        if "standard" in by and "sonar" in by:
-            measured = by["standard"]["measured_transient"] - by["sonar"]["measured_transient"]
-            predicted = by["standard"]["predicted_transient"] - by["sonar"]["predicted_transient"]
+        other = next((m for m in ("sonar", "sonar_deferred") if m in by), None)
+        if other == "sonar_deferred":
+            r = by[other]
+            row.update(predicted_kept=r["predicted_kept"], measured_kept=r["measured_kept"],
+                       predicted_crossed=len(r["predicted_crossed"]),
+                       measured_crossed=len(r["measured_crossed"]))  # fmt: skip
+        if "standard" in by and other is not None:
+            measured = by["standard"]["measured_transient"] - by[other]["measured_transient"]
+            predicted = by["standard"]["predicted_transient"] - by[other]["predicted_transient"]
             row.update(
                 measured_saving=measured,
                 predicted_saving=predicted,
@@ -261,11 +290,17 @@ def accuracy_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def accuracy_table(rows: list[dict[str, Any]], methods: Sequence[str]) -> Table:
-    headers = ["case (family, batch, dtype, ckpt, expert/dense bits)"]
+def accuracy_table(rows: list[dict[str, Any]], methods: Sequence[str], *, deferred: bool = False) -> Table:
+    rows = [r for r in rows if all(f"{m}_error" in r for m in methods)]
+    headers = ["case (family, batch x micro-batches, dtype, ckpt, expert/dense bits)"]
     for m in methods:
         headers += [f"{m} measured MiB", f"{m} error", f"{m} error (absolute peak)"]
     headers += ["saving measured MiB", "saving predicted MiB", "saving error"]
+    headers += (
+        ["kept operands planned / measured MiB", "tensors crossed over planned / measured"]
+        if deferred
+        else []
+    )
     body = []
     for r in rows:
         cells = [r["label"]]
@@ -276,12 +311,22 @@ def accuracy_table(rows: list[dict[str, Any]], methods: Sequence[str]) -> Table:
             f"{r['predicted_saving'] / MIB:.2f}",
             _pct(r["saving_error"]),
         ]
+        if deferred:
+            cells += [f"{r['predicted_kept'] / MIB:.2f} / {r['measured_kept'] / MIB:.2f}",
+                      f"{r['predicted_crossed']} / {r['measured_crossed']}"]  # fmt: skip
         body.append(cells)
     note = (
         "error: predicted / measured - 1 of the step's transient peak (bytes above its start, as the "
         "profiler counts); absolute peak: plus the bytes alive at the start. seq 64, eager, AdamW; bits: "
         "expert/dense moment bits (8: torchao's quantized states)."
     )
+    if deferred:
+        note += (
+            " sonar_deferred, eager: expert gradients computed at step() from operands kept in backward; "
+            "saving: standard's peak minus sonar_deferred's; x4: 4 micro-batches per step (accumulated)."
+        )
+        return Table(title="The deferred schedule: plan vs measured step on CPU", headers=headers, rows=body,
+                     note=note)  # fmt: skip
     return Table(title="Plan vs measured step on CPU", headers=headers, rows=body, note=note)
 
 
@@ -394,7 +439,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> Table:
 def goals(
     cfg: Config, acc: list[dict[str, Any]], paper: list[dict[str, Any]], plans: dict[str, Plan]
 ) -> list[Goal]:
-    errors = [abs(r[f"{m}_error"]) for r in acc for m in cfg.methods if f"{m}_error" in r]
+    methods = {*cfg.methods, *(m for case in cfg.cases for m in case.methods)}
+    errors = [abs(r[f"{m}_error"]) for r in acc for m in methods if f"{m}_error" in r]
     savings = [abs(r["saving_error"]) for r in acc if r.get("saving_error") is not None]
     tol, saving_tol = cfg.tolerance, cfg.saving_tolerance
     out = [
@@ -512,7 +558,13 @@ def main(argv: list[str] | None = None) -> None:
     plans = paper_plans(cfg) if cfg.paper_rows else {}
     acc, paper, sweep = accuracy_rows(records), paper_rows(cfg, plans), sweep_rows(cfg, plans)
     goal_list = goals(cfg, acc, paper, plans)
-    full = [accuracy_table(acc, cfg.methods), paper_table(paper)] + ([sweep_table(sweep)] if sweep else [])
+    full = [accuracy_table(acc, cfg.methods)]
+    full += (
+        [accuracy_table(acc, DEFERRED, deferred=True)]
+        if any("sonar_deferred_error" in r for r in acc)
+        else []
+    )
+    full += [paper_table(paper)] + ([sweep_table(sweep)] if sweep else [])
     full += [cost_table(plans)] if plans else []
     images = ["plan_accuracy.png"] if plot(records, paper, inv.out / "plan_accuracy.png") else []
     if not inv.args.quick:

@@ -22,6 +22,7 @@ from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import PRESETS, BudgetError, PlanError
 from sonar_fx.planner.fake import PlanFakeMode, lowbit_update_buffers
 from sonar_fx.planner.models import model_source
+from sonar_fx.planner.modes import Semantics, crossover, semantics, top_k_of
 from sonar_fx.planner.planning import largest_batch
 from sonar_fx.planner.scratch import cpu_kernel_scratch
 from sonar_fx.planner.tracker import CATEGORIES, StepTracker
@@ -152,6 +153,15 @@ def test_json_holds_each_method_with_its_categories(planned, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["model"] == "tiny-olmoe" and printed["methods"][0]["method"] == "sonar"
     assert png.stat().st_size > 0
+    argv = ["plan", "--model", "tiny-olmoe", "--seq", "8", "--device", "cpu", "--methods", "sonar_deferred"]
+    assert main([*argv, "--grad-accum", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    (deferred,) = printed["methods"]
+    assert printed["grad_accum"] == 2 and printed["crossover"]["top_k"] == 2
+    assert deferred["accumulation"] == "exact" and deferred["kept_operand_bytes"] > 0
+    assert main([*argv, "--grad-accum", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "x 2 micro-batches" in table and "which mode when" in table and "Deferred crossover" in table
 
 
 def test_presets_match_the_papers_expert_gradient_bytes():
@@ -164,6 +174,42 @@ def test_presets_match_the_papers_expert_gradient_bytes():
     assert round(sum(p.numel() for p in olmoe.parameters()) / 1e9, 2) == 6.92  # the paper's 6.92B
 
 
+def test_deferred_crossover_of_olmoe_is_the_operand_arithmetic():
+    """DESIGN.md 9: OLMoE-1B-7B at batch 2 x 256 keeps ~59 MB of operands per layer against 805 MB of
+    expert gradients; a layer's operands outgrow them near 56,000 routed slots (~7,000 tokens)."""
+    source = model_source("olmoe-1b-7b")
+    layers = discover_experts(source.build(torch.bfloat16))
+    cross = crossover(layers, top_k_of(source.config), seq=256, grad_accum=1)
+    assert cross.top_k == 8 and cross.layer_grad_bytes == 805_306_368
+    assert cross.layer_operand_bytes_per_token == 8 * (2048 + 2 * 1024 + 1024 + 2048) * 2
+    assert cross.operand_bytes(1, 2) == 4096 * 7168 * 2 + 2 * 64 * 4  # 58.7 MB, offsets included
+    assert 27 < cross.layer_batch < 28  # 7,022 tokens
+    assert {t.name: t.batch for t in cross.tensors} == {"gate_up_proj": 32, "down_proj": 22}
+    # Accumulation keeps every micro-batch's operands: 4 micro-batches cross 4 times sooner.
+    four = crossover(layers, 8, seq=256, grad_accum=4)
+    assert four.layer_batch == pytest.approx(cross.layer_batch / 4)
+    assert {t.name: t.batch for t in four.tensors} == {"gate_up_proj": 8, "down_proj": 6}
+
+
+def test_which_mode_when_reads_each_methods_semantics():
+    from sonar_fx.planner.run import PLAN_METHODS, method_config
+
+    def meaning(name, cfg=CFG):
+        base, fields = PLAN_METHODS[name]
+        return semantics(name, base, method_config(base, cfg, fields))
+
+    assert meaning("standard") == Semantics(clip="all", accumulation="exact", experts_updated="at step()")
+    assert meaning("sonar").clip == "dense" and meaning("sonar").accumulation == "per micro-batch updates"
+    assert meaning("sonar_global_clip").accumulation == "refused"
+    deferred, exact_clip = meaning("sonar_deferred"), meaning("sonar_deferred_global_clip")
+    assert (deferred.clip, deferred.accumulation) == ("dense", "exact")
+    assert (exact_clip.clip, exact_clip.accumulation) == (
+        "all",
+        "exact",
+    ) and "norm pass" in exact_clip.experts_updated
+    assert meaning("oib_all").clip == "none"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "says"),
     [
@@ -172,6 +218,12 @@ def test_presets_match_the_papers_expert_gradient_bytes():
         (dict(model_or_config="tiny-olmoe", budget="lots"), PlanError, "46GiB"),
         (dict(model_or_config="tiny-olmoe", methods=["fast"]), PlanError, "standard_no_expert_clip"),
         (dict(model_or_config="tiny-olmoe", opt_cfg=AdamWConfig(state_bits=4)), PlanError, "plan 8 or 32"),
+        (dict(model_or_config="tiny-olmoe", grad_accum=0), PlanError, "grad_accum=0"),
+        (
+            dict(model_or_config="tiny-olmoe", methods=["sonar_global_clip"], grad_accum=2),
+            PlanError,
+            "sonar_deferred_global_clip",
+        ),
     ],
 )
 def test_bad_input_names_the_fix(kwargs, error, says):
@@ -278,6 +330,12 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     assert row["saving_error"] == pytest.approx(10 / 600) and row["standard_abs_error"] == pytest.approx(
         0.001
     )
+    kept = dict(predicted_kept=2**20, measured_kept=2**20, predicted_crossed=["a"], measured_crossed=["a"])
+    deferred = [dict(records[0], label="d"), dict(records[1], label="d", method="sonar_deferred", **kept)]
+    (drow,) = plan_accuracy.accuracy_rows(deferred)
+    assert drow["saving_error"] == pytest.approx(10 / 600) and drow["predicted_crossed"] == 1
+    table = plan_accuracy.accuracy_table([row, drow], plan_accuracy.DEFERRED, deferred=True)
+    assert len(table.rows) == 1 and "1.00 / 1.00" in table.rows[0]  # only the deferred case, its operands
     cfg = plan_accuracy.Config(tolerance=0.005)
     goals = plan_accuracy.goals(cfg, [row], [], {})
     assert [g.met for g in goals] == [False, True]  # 1% misses 0.5%; the saving is within 5%
@@ -288,3 +346,70 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "+1.00%" in text and "MISSED" in text
+
+
+# The deferred schedule with 4 micro-batches per step: its kept operands and its crossover.
+ACCUM = 4
+
+
+def _measured_accumulated(method: str, batch: int = BATCH) -> dict:
+    """One real step 2 of `ACCUM` micro-batches on CPU (as `_measured`), and the deferred report."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, **SHAPE).train()
+    m = build_method(method, model, CFG)
+    batches = random_batches(2 * ACCUM, batch=batch, seq=SEQ)
+    m.train_step(batches[:ACCUM])
+    second = batches[ACCUM:]
+    start = state_bytes(model, m.optimizers) + sum(t.nbytes for t in model.buffers())
+    start += sum(t.nbytes for b in second for t in b.values())
+    _, peak = measure_peak(lambda: m.train_step(second))
+    deferred = m.optimizer.deferred if method == "sonar_deferred" else None
+    return {
+        "transient": peak.peak_bytes,
+        "start": start,
+        "kept": None if deferred is None else deferred.last_peak_bytes,
+        "crossed": None if deferred is None else sorted(deferred.crossed),
+    }
+
+
+@pytest.mark.slow  # two real and two planned steps of 4 micro-batches: 5 s quiet, ~25 s under load
+def test_plan_of_the_deferred_schedule_with_accumulation_matches_the_measured_step():
+    measured = {name: _measured_accumulated(name) for name in ("standard", "sonar_deferred")}
+    planned = sonar_fx.plan(
+        tiny_config("tiny-olmoe", **SHAPE), batch=BATCH, seq=SEQ, opt_cfg=CFG, grad_accum=ACCUM,
+        methods=["standard", "sonar_deferred"], device="cpu",
+    )  # fmt: skip
+    assert planned.grad_accum == ACCUM
+    for name, real in measured.items():
+        mine = planned.method(name)
+        assert abs(mine.transient_bytes / real["transient"] - 1) <= 0.03, (name, mine, real)
+        assert mine.step_start_bytes == real["start"]
+    deferred = planned.method("sonar_deferred")
+    # The operands the planned step kept are the measured step's, and the crossover model's arithmetic.
+    layers = len(discover_experts(build_model("tiny-olmoe", dtype=torch.bfloat16, **SHAPE)))
+    assert deferred.kept_operand_bytes == measured["sonar_deferred"]["kept"]
+    assert deferred.kept_operand_bytes == planned.crossover.operand_bytes(layers, BATCH)
+    assert deferred.crossed_over == () and measured["sonar_deferred"]["crossed"] == []
+    assert deferred.semantics.accumulation == "exact" and planned.method("standard").semantics.clip == "all"
+    # Below every crossover the deferred step holds less than standard's (all expert gradients).
+    saving = measured["standard"]["transient"] - measured["sonar_deferred"]["transient"]
+    assert saving > 0 and abs(deferred.saving_bytes / saving - 1) <= 0.05
+    data = planned.to_json()
+    assert data["grad_accum"] == ACCUM and data["crossover"]["tensors"]
+    assert data["methods"][1]["kept_operand_bytes"] == deferred.kept_operand_bytes
+
+
+@pytest.mark.slow  # 4 micro-batches planned at two batches, one measured: 10 s quiet, ~20 s loaded
+def test_deferred_crossover_batch_is_where_the_step_crosses_over():
+    config = tiny_config("tiny-olmoe", **SHAPE)
+    cross = sonar_fx.plan(config, batch=1, seq=SEQ, opt_cfg=CFG, grad_accum=ACCUM, methods=["standard"],
+                          device="cpu").crossover  # fmt: skip
+    first = min(t.batch for t in cross.tensors)
+    assert first > 1 and cross.layer_batch > first - 1  # SHAPE: the down projection crosses first
+    for batch in (first - 1, first):
+        step = sonar_fx.plan(config, batch=batch, seq=SEQ, opt_cfg=CFG, grad_accum=ACCUM,
+                             methods=["sonar_deferred"], device="cpu").method("sonar_deferred")  # fmt: skip
+        expected = {t.name for t in cross.tensors if t.batch <= batch}  # in every layer alike
+        assert {name.rsplit(".", 1)[-1] for name in step.crossed_over} == expected
+        assert len(step.crossed_over) == SHAPE["num_hidden_layers"] * len(expected)
+    real = _measured_accumulated("sonar_deferred", batch=first)
+    assert list(step.crossed_over) == real["crossed"]  # the planned step crossed where the real one did

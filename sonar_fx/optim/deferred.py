@@ -31,7 +31,7 @@ from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
 from sonar_fx.passes.recipe import Recipe
-from sonar_fx.runtime.defer_op import same_storage
+from sonar_fx.runtime.defer_op import same_storage, storage_key
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 
@@ -80,7 +80,7 @@ class DeferredGrads:
         """One backward's operands for `param` (or, past the crossover, its gradient added to `.grad`)."""
         kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
         own = [t for t in kept if isinstance(t, Tensor)]
-        nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in own}.values())
+        nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in own}.values())
         entry = _Kept(recipe, kept, nbytes)
         if param.grad is not None:  # crossed over (or a hook kept it): accumulate as autograd does
             param.grad += entry.gradient(param)

@@ -23,8 +23,9 @@ from sonar_fx.config import AdamWConfig, OptimizerConfig
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.planner.fake import PlanError
-from sonar_fx.planner.models import model_source
-from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory
+from sonar_fx.planner.models import ModelSource, model_source
+from sonar_fx.planner.modes import Crossover, Semantics, crossover, semantics, top_k_of
+from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory, method_config
 
 DEFAULT_METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
@@ -33,7 +34,8 @@ DEVICES = {"cuda": 512, "cpu": 1}
 MAX_BATCH = 1 << 16
 """The budget search's ceiling."""
 EXECUTION = (
-    "eager (Sonar: post-accumulate-grad hooks), transformers' default kernels (grouped_mm experts, SDPA)"
+    "eager (Sonar: post-accumulate-grad hooks; sonar_deferred: its grouped-GEMM operand capture), "
+    "transformers' default kernels (grouped_mm experts, SDPA)"
 )
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -56,6 +58,12 @@ class MethodPlan:
     """With a budget: the largest batch whose step fits it (0: none fits)."""
     batch_peaks: dict[int, int] = field(default_factory=dict)
     """Every batch size a step was planned at -> its peak (the budget search's steps included)."""
+    semantics: Semantics | None = None
+    """What the method trains: clip scope, accumulation, when experts are updated ("which mode when")."""
+    kept_operand_bytes: int | None = None
+    """The deferred schedule: the most weight-gradient operand bytes it kept at once in the step."""
+    crossed_over: tuple[str, ...] = ()
+    """The deferred schedule: expert tensors whose kept operands outgrew their gradient in the step."""
 
     @property
     def transient_bytes(self) -> int:
@@ -73,11 +81,16 @@ class Plan:
     dtype: str
     device: str
     gradient_checkpointing: bool
+    grad_accum: int
+    """Micro-batches of `batch` sequences per optimizer step (gradients accumulated)."""
     optimizer: dict[str, Any]
     """The optimizer config's fields (state bits, clipping)."""
     expert_grad: ExpertGradBytes
     """Expert-gradient bytes: all layers' and the largest layer's (Sonar should save the difference)."""
     methods: list[MethodPlan]
+    crossover: Crossover | None = None
+    """Where the deferred schedule's kept operands outgrow the expert gradients (None: the router's
+    top-k or the expert tensors' layout is unknown)."""
     budget_bytes: int | None = None
     seconds: float = 0.0
     """Wall time the plan took."""
@@ -93,14 +106,18 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """One JSON-ready object; per method its name, peak and categories side by side."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("methods", "expert_grad")}
+        skip = ("methods", "expert_grad", "crossover")
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         out["expert_grad_bytes"] = self.expert_grad.total
         out["expert_grad_one_layer_bytes"] = self.expert_grad.one_layer
         out["predicted_saving_bytes"] = self.expert_grad.predicted_saving
+        out["crossover"] = self.crossover.to_json() if self.crossover is not None else None
         out["methods"] = [
             {"method": m.method, "peak_allocated_bytes": m.peak_allocated_bytes, **m.categories,
              "step_start_bytes": m.step_start_bytes, "saving_bytes": m.saving_bytes, "max_batch": m.max_batch,
-             "batch_peaks": {str(b): p for b, p in sorted(m.batch_peaks.items())}}
+             "batch_peaks": {str(b): p for b, p in sorted(m.batch_peaks.items())},
+             **(dataclasses.asdict(m.semantics) if m.semantics is not None else {}),
+             "kept_operand_bytes": m.kept_operand_bytes, "crossed_over": list(m.crossed_over)}
             for m in self.methods
         ]  # fmt: skip
         return out
@@ -117,25 +134,34 @@ def plan(
     device: str = "cuda",
     gradient_checkpointing: bool = False,
     budget: int | str | None = None,
+    grad_accum: int = 1,
 ) -> Plan:
     """Predict the peak allocated memory of one training step (step 2: optimizer states alive) of
     `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
-    "46GiB"), also the largest batch that fits. See the module docstring and docs/plan.md."""
+    "46GiB"), also the largest batch that fits. `grad_accum`: micro-batches of `batch` sequences per
+    step. See the module docstring and docs/plan.md."""
     started, cpu_started = time.perf_counter(), time.process_time()
     torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
-    _check_request(batch, seq, device, methods, cfg)
+    _check_request(batch, seq, device, methods, cfg, grad_accum)
     budget_bytes = parse_bytes(budget) if budget is not None else None
     source = model_source(model_or_config)
-    planned, expert_grad = [], None
+    planned, expert_grad, cross = [], None, None
     for name in methods:
         try:
             run = MethodRun(
-                source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq
-            )
+                source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq,
+                grad_accum=grad_accum,
+            )  # fmt: skip
         except NoExpertsFoundError as err:
             raise PlanError(f"{source.name}: {err}") from err
-        expert_grad = expert_grad or ExpertGradBytes.of(discover_experts(run.model))
-        planned.append(_plan_method(run, batch, seq, device, budget_bytes))
+        if expert_grad is None:
+            layers = discover_experts(run.model)
+            expert_grad = ExpertGradBytes.of(layers)
+            top_k = _top_k(source)
+            cross = crossover(layers, top_k, seq=seq, grad_accum=grad_accum) if top_k is not None else None
+        base, fields = PLAN_METHODS[name]
+        meaning = semantics(name, base, method_config(base, cfg, fields))
+        planned.append(_plan_method(run, batch, seq, device, budget_bytes, meaning))
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
     if standard is not None:
@@ -145,8 +171,9 @@ def plan(
         raise BudgetError(_no_fit(planned, budget_bytes, seq, str(budget)))
     return Plan(
         model=source.name, batch=batch, seq=seq, dtype=str(torch_dtype).removeprefix("torch."), device=device,
-        gradient_checkpointing=gradient_checkpointing, optimizer=_cfg_fields(cfg), expert_grad=expert_grad,
-        methods=planned, budget_bytes=budget_bytes, seconds=time.perf_counter() - started,
+        gradient_checkpointing=gradient_checkpointing, grad_accum=grad_accum, optimizer=_cfg_fields(cfg),
+        expert_grad=expert_grad, methods=planned, crossover=cross, budget_bytes=budget_bytes,
+        seconds=time.perf_counter() - started,
         cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
 
@@ -155,7 +182,13 @@ class BudgetError(PlanError):
     """No method fits the budget at any batch size."""
 
 
-def _plan_method(run: MethodRun, batch: int, seq: int, device: str, budget: int | None) -> MethodPlan:
+def _top_k(source: ModelSource) -> int | None:
+    return source.reference.top_k if source.reference is not None else top_k_of(source.config)
+
+
+def _plan_method(
+    run: MethodRun, batch: int, seq: int, device: str, budget: int | None, meaning: Semantics
+) -> MethodPlan:
     peaks: dict[int, StepMemory] = {}
 
     def step(b: int) -> int:
@@ -171,6 +204,7 @@ def _plan_method(run: MethodRun, batch: int, seq: int, device: str, budget: int 
     return MethodPlan(
         method=run.name, peak_allocated_bytes=asked.peak, categories=asked.by_category,
         step_start_bytes=asked.start, max_batch=max_batch, batch_peaks={b: m.peak for b, m in peaks.items()},
+        semantics=meaning, kept_operand_bytes=asked.kept_operand_bytes, crossed_over=asked.crossed_over,
     )  # fmt: skip
 
 
@@ -246,9 +280,11 @@ def parse_bytes(text: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
-def _check_request(batch: int, seq: int, device: str, methods: Sequence[str], cfg: OptimizerConfig) -> None:
-    if batch < 1 or seq < 1:
-        raise PlanError(f"batch={batch}, seq={seq}: both must be at least 1.")
+def _check_request(
+    batch: int, seq: int, device: str, methods: Sequence[str], cfg: OptimizerConfig, grad_accum: int
+) -> None:
+    if batch < 1 or seq < 1 or grad_accum < 1:
+        raise PlanError(f"batch={batch}, seq={seq}, grad_accum={grad_accum}: each must be at least 1.")
     if device not in DEVICES:
         raise PlanError(f"device {device!r}: plan for 'cuda' (512-byte allocator blocks) or 'cpu'.")
     unknown = [m for m in methods if m not in PLAN_METHODS]

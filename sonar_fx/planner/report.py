@@ -44,7 +44,15 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_METHODS),
         choices=tuple(PLAN_METHODS),
         metavar="METHOD",
-        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}; also: sonar_8bit, sonar_global_clip)",
+        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}; also: "
+        f"{', '.join(m for m in PLAN_METHODS if m not in DEFAULT_METHODS)})",
+    )
+    add(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches of --batch sequences per optimizer step (gradient accumulation)",
     )
     add(
         "--gradient-checkpointing",
@@ -83,6 +91,7 @@ def plan_command(args: argparse.Namespace) -> int:
         result = plan(
             args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, opt_cfg=cfg, methods=args.methods,
             device=args.device, gradient_checkpointing=args.gradient_checkpointing, budget=args.budget,
+            grad_accum=args.grad_accum,
         )  # fmt: skip
     except (PlanError, ConfigFieldError) as err:
         print(f"sonar-fx plan: error: {err}", file=sys.stderr)
@@ -99,6 +108,9 @@ def format_plan(p: Plan) -> str:
     predicted = p.expert_grad.predicted_saving
     headers = ["method", f"peak {unit}", *(c.replace("_", " ") for c in CATEGORIES), "saving vs standard",
                "saving / predicted"] + (["max batch"] if p.budget_bytes is not None else [])  # fmt: skip
+    deferred = any(m.kept_operand_bytes is not None for m in p.methods)
+    if deferred:
+        headers.insert(len(CATEGORIES) + 2, "kept operands")
     rows = []
     for m in p.methods:
         saving = m.saving_bytes if m.method != "standard" else None
@@ -107,8 +119,11 @@ def format_plan(p: Plan) -> str:
             f"{m.peak_allocated_bytes / scale:.2f}",
             *(f"{m.categories[c] / scale:.2f}" for c in CATEGORIES),
         ]
+        if deferred:
+            row.append("-" if m.kept_operand_bytes is None else f"{m.kept_operand_bytes / scale:.2f}")
+        expected = predicted - (m.kept_operand_bytes or 0)  # the deferred schedule keeps its operands
         row += (
-            [f"{saving / scale:.2f} {unit}", f"{saving / predicted:.0%}"]
+            [f"{saving / scale:.2f} {unit}", f"{saving / expected:.0%}" if expected > 0 else "-"]
             if saving is not None
             else ["-", "-"]
         )
@@ -119,17 +134,57 @@ def format_plan(p: Plan) -> str:
         rows.append(row)
     bits = p.optimizer.get("state_bits", 32), p.optimizer.get("dense_state_bits", 32)
     budget = f"; budget {p.budget_bytes / scale:.2f} {unit}" if p.budget_bytes is not None else ""
+    accum = f" x {p.grad_accum} micro-batches" if p.grad_accum > 1 else ""
     return "\n".join([
-        f"{p.model}: batch {p.batch} x seq {p.seq}, {p.dtype}, {p.optimizer['optimizer']} (expert states "
-        f"{bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "
+        f"{p.model}: batch {p.batch} x seq {p.seq}{accum}, {p.dtype}, {p.optimizer['optimizer']} "
+        f"(expert states {bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "
         f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}{budget}",
         tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True),
         "Peak allocated bytes of training step 2 (optimizer states alive), split by what is alive at the "
         f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "
         f"{p.expert_grad.total / scale:.2f} {unit} minus one layer "
-        f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}.",
+        f"{p.expert_grad.one_layer / scale:.2f} {unit} = {predicted / scale:.2f} {unit}"
+        + (", less its kept operands for sonar_deferred (bytes among activations and temporaries)."
+           if deferred else "."),
         f"Planned: {p.execution}, on fake tensors in {p.seconds:.0f} s ({p.cpu_seconds:.0f} s of CPU).",
+        "",
+        format_modes(p, unit, scale),
+        *([format_crossover(p)] if p.crossover is not None else []),
     ])  # fmt: skip
+
+
+def format_modes(p: Plan, unit: str, scale: float) -> str:
+    """ "Which mode when": per method what it trains and its planned peak."""
+    rows = [
+        [m.method, m.semantics.clip, m.semantics.accumulation, m.semantics.experts_updated,
+         f"{m.peak_allocated_bytes / scale:.2f}"]
+        for m in p.methods
+        if m.semantics is not None
+    ]  # fmt: skip
+    headers = ["which mode when", "clips", "accumulation", "experts updated", f"peak {unit}"]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def format_crossover(p: Plan) -> str:
+    """The deferred schedule's crossover: the batch above which kept operands outgrow gradients."""
+    c = p.crossover
+    assert c is not None
+    accum = f" x {c.grad_accum} micro-batches" if c.grad_accum > 1 else ""
+    tensors = ", ".join(f"{t.name} {t.batch}" for t in c.tensors)
+    return (
+        f"Deferred crossover (top-{c.top_k}, seq {c.seq}{accum}): the step keeps "
+        f"{_size(c.layer_operand_bytes_per_token * c.seq)} of operands per layer and sequence, against "
+        f"{_size(c.layer_grad_bytes)} of expert gradients per layer: the operands outgrow them above batch "
+        f"{c.layer_batch:.1f}. Per tensor, sonar_deferred keeps the gradient instead (as standard does) "
+        f"from batch: {tensors}."
+    )
+
+
+def _size(nbytes: float) -> str:
+    for scale, unit, digits in ((1e9, "GB", 2), (1e6, "MB", 1), (1e3, "kB", 1)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def plot_plan(p: Plan, path: Path) -> bool:

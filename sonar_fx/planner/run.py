@@ -4,7 +4,9 @@ For: `sonar_fx.planner`. The step that runs is the one that trains: `sonar_fx.me
 .train_step`, eager (Sonar's post-accumulate-grad hooks update and free each expert gradient in
 backward; the baselines clip and step at the end). The first step creates the optimizer states, as
 in a real run, and is not tracked; each tracked step then starts where a real run's step 2 starts
-(weights and optimizer states alive, no gradients) and is accounted by `StepTracker`.
+(weights and optimizer states alive, no gradients) and is accounted by `StepTracker`. A step may run
+several micro-batches (gradient accumulation) as `train_step` does with a list of batches; the deferred
+schedule's step reports the operands it kept and the tensors that crossed over (`StepMemory`).
 Never: allocate real memory (everything runs under `PlanFakeMode`); run a step other than the method's.
 """
 
@@ -15,11 +17,14 @@ import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.methods import Method, TrainingMethod, build_method
+from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, real_step_paths
 from sonar_fx.planner.models import ModelSource
 from sonar_fx.planner.scratch import cpu_kernel_scratch
@@ -32,10 +37,13 @@ PLAN_METHODS: dict[str, tuple[str, dict[str, object]]] = {
     "sonar": ("sonar", {}),
     "sonar_8bit": ("sonar", {"state_bits": 8}),
     "sonar_global_clip": ("sonar", {"expert_clip": "global"}),
+    "sonar_deferred": ("sonar_deferred", {}),
+    "sonar_deferred_global_clip": ("sonar_deferred", {"expert_clip": "global"}),
 }
 """Plan method name -> (`sonar_fx.methods` method, optimizer config fields it sets). sonar_8bit: 8-bit
 expert moments; sonar_global_clip: exact global clipping of all gradients (two forward/backward
-passes)."""
+passes); sonar_deferred: expert gradients computed at step() from operands kept in backward (its
+_global_clip twin clips all gradients by one norm, a norm pass and an update pass at step())."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +56,11 @@ class StepMemory:
     """Bytes allocated when the step started (weights, optimizer states, the batch)."""
     by_category: dict[str, int]
     """Bytes alive at the peak, by `tracker.CATEGORIES`."""
+    kept_operand_bytes: int | None = None
+    """The deferred schedule: the most operand bytes it kept at once (its `DeferredGrads` accounting:
+    storage bytes, not rounded to allocator blocks); None for other methods."""
+    crossed_over: tuple[str, ...] = ()
+    """The deferred schedule: expert tensors whose kept operands outgrew their gradient in this step."""
 
 
 class MethodRun:
@@ -62,30 +75,49 @@ class MethodRun:
         dtype: torch.dtype,
         gradient_checkpointing: bool,
         seq: int,
+        grad_accum: int = 1,
     ) -> None:
         self.mode = PlanFakeMode()
         self.name = method
+        self.grad_accum = grad_accum
         self.vocab = _vocab_size(source)
         model = source.build(dtype)
         if gradient_checkpointing:
             enable_checkpointing(model, source.name)
         self.model = fake_parameters(model, self.mode)
         base, fields = PLAN_METHODS[method]
+        config = method_config(base, cfg, fields)
+        kwargs = accumulation_kwargs(method, base, config, grad_accum)
         with self._planning():
-            self.method: TrainingMethod = build_method(base, self.model, method_config(base, cfg, fields))
-            self.method.train_step(self._batch(1, seq))  # creates the optimizer states
+            self.method: TrainingMethod = build_method(base, self.model, config, **kwargs)
+            self.method.train_step(self._micro_batches(1, seq))  # creates the optimizer states
 
     def tracked_step(self, batch: int, seq: int, *, block_bytes: int, cpu: bool = False) -> StepMemory:
-        """Run one training step of (batch, seq) tokens and account its memory; `cpu`: a CPU plan, which
-        counts the scratch this host's CPU kernels take (see `scratch`)."""
+        """Run one training step of `grad_accum` micro-batches of (batch, seq) tokens and account its
+        memory; `cpu`: a CPU plan, which counts the scratch this host's CPU kernels take (see `scratch`)."""
+        deferred = self._deferred()
+        if deferred is not None:
+            deferred.crossed.clear()  # what crossed over in this step (the planner's copy of the report)
         with self._planning():
-            data = self._batch(batch, seq)
+            micro = self._micro_batches(batch, seq)
             tracker = StepTracker(block_bytes=block_bytes, scratch=cpu_kernel_scratch if cpu else None)
-            tracker.track_step_start(self.model, self.method.optimizers, *data.values())
+            tracker.track_step_start(
+                self.model, self.method.optimizers, *(t for b in micro for t in b.values())
+            )
             start = tracker.bytes_now()
             with tracker:
-                self.method.train_step(data)
-        return StepMemory(peak=tracker.peak_bytes(), start=start, by_category=tracker.peak_by_category())
+                self.method.train_step(micro[0] if len(micro) == 1 else micro)
+        return StepMemory(
+            peak=tracker.peak_bytes(), start=start, by_category=tracker.peak_by_category(),
+            kept_operand_bytes=None if deferred is None else deferred.last_peak_bytes,
+            crossed_over=() if deferred is None else tuple(sorted(deferred.crossed)),
+        )  # fmt: skip
+
+    def _deferred(self) -> DeferredGrads | None:
+        """The deferred schedule's kept-operand accounting (None for other methods)."""
+        if self.method.kind.schedule != "deferred" or not isinstance(self.method.optimizer, SonarOptimizer):
+            return None
+        return self.method.optimizer.deferred
 
     @contextlib.contextmanager
     def _planning(self) -> Iterator[None]:
@@ -95,9 +127,12 @@ class MethodRun:
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             yield
 
-    def _batch(self, batch: int, seq: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, self.vocab, (batch, seq))
-        return {"input_ids": ids, "labels": ids.clone()}
+    def _micro_batches(self, batch: int, seq: int) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for _ in range(self.grad_accum):
+            ids = torch.randint(0, self.vocab, (batch, seq))
+            out.append({"input_ids": ids, "labels": ids.clone()})
+        return out
 
 
 def enable_checkpointing(model: torch.nn.Module, name: str) -> None:
@@ -115,6 +150,21 @@ def method_config(base: str, cfg: OptimizerConfig, fields: dict[str, object]) ->
     if cfg.expert_clip not in Method.named(base).expert_clips:
         cfg = dataclasses.replace(cfg, expert_clip=None)
     return cfg
+
+
+def accumulation_kwargs(method: str, base: str, cfg: OptimizerConfig, grad_accum: int) -> dict[str, Any]:
+    """What `build_method` needs to run `grad_accum` micro-batches per step: nothing for the baselines
+    and the deferred schedule (both accumulate exactly); Sonar's in-backward schedule updates once per
+    micro-batch (`accumulation="per_microbatch"`, a different optimizer, planned as such), which its
+    two-pass global clip cannot do."""
+    if grad_accum == 1 or base != "sonar":
+        return {}
+    if cfg.expert_clip == "global":
+        raise PlanError(
+            f"{method} with grad_accum={grad_accum}: the two-pass global clip runs one micro-batch per step. "
+            "Plan sonar_deferred_global_clip (exact all-parameter clip with accumulation) instead."
+        )
+    return {"accumulation": "per_microbatch"}
 
 
 def _vocab_size(source: ModelSource) -> int:
