@@ -214,8 +214,9 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:
         name = opt.expert_name(p)
         deferred = not store.arrived_whole(p)
-        grad = store.gradient(p, consume=True)
-        assert grad is not None
+        # In the parameter's layout at once (the recipe may give a transposed view): the view is freed
+        # as the copy returns, so one gradient's worth is alive, as autograd's layout contract leaves it.
+        grad = grad_like_param(p, _required(store.gradient(p, consume=True)))
         opt.meter.appeared(p, grad.nbytes)
         try:
             if scaler is not None:
@@ -251,14 +252,17 @@ def _first_pass(
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     for p in experts:
-        grad = store_grad = opt.deferred.gradient(p, consume=False)
-        assert store_grad is not None
-        opt.meter.appeared(p, store_grad.nbytes)
-        grad = grad_like_param(p, store_grad)
+        grad = grad_like_param(p, _required(opt.deferred.gradient(p, consume=False)))
+        opt.meter.appeared(p, grad.nbytes)
         if scaler is not None and found_inf is not None:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)
-        del grad, store_grad
+        del grad
         opt.meter.freed(p)
     return found_inf
+
+
+def _required(grad: Tensor | None) -> Tensor:
+    assert grad is not None, "an expert with neither kept operands nor a gradient was stepped"
+    return grad
