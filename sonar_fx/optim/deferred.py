@@ -184,9 +184,12 @@ def step(opt: SonarOptimizer) -> None:
     experts = [p for p in opt.expert_group["params"] if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     scaler = scaler_step(opt)
+    # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
+    # unscaled and checked them: unscaling it again would divide it by the scale twice.
+    unscaled = {id(p) for p in experts if p.grad is not None} if scaler is not None else set()
     clip_all = opt.cfg.expert_clip == "global"
     if scaler is not None or clip_all:
-        found_inf = _first_pass(opt, experts, scaler, clip_all)
+        found_inf = _first_pass(opt, experts, scaler, clip_all, unscaled)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
             opt.clipper.abandon()
@@ -211,7 +214,7 @@ def step(opt: SonarOptimizer) -> None:
         assert grad is not None
         opt.meter.appeared(p, grad.nbytes)
         try:
-            if scaler is not None:
+            if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
             opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
         finally:
@@ -224,10 +227,15 @@ def step(opt: SonarOptimizer) -> None:
 
 
 def _first_pass(
-    opt: SonarOptimizer, experts: list[Tensor], scaler: ScalerStep | None, clip_all: bool
+    opt: SonarOptimizer,
+    experts: list[Tensor],
+    scaler: ScalerStep | None,
+    clip_all: bool,
+    unscaled: set[int],
 ) -> Tensor | None:
-    """Compute each expert gradient once, unscale and check it (scaler) and record its norm (global
-    clip), then free it. Returns the experts' inf verdict (scaler only)."""
+    """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
+    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
+    Returns the experts' inf verdict (scaler only)."""
     found_inf = None
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
@@ -236,7 +244,7 @@ def _first_pass(
         assert store_grad is not None
         opt.meter.appeared(p, store_grad.nbytes)
         grad = grad_like_param(p, store_grad)
-        if scaler is not None and found_inf is not None:
+        if scaler is not None and found_inf is not None and id(p) not in unscaled:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)
