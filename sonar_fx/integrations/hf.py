@@ -323,7 +323,7 @@ class _DeferredStep(TrainerCallback):
         self.scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        scaler, optimizer = self._scaler(), kwargs.get("optimizer")
+        scaler, optimizer = self._scaler(), kwargs["optimizer"]
         backed_off = self.scale is not None and scaler.get_scale() < self.scale
         if self.scale is not None and hasattr(optimizer, "_is_overflow"):
             fused = str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
