@@ -28,7 +28,7 @@ from trl import SFTConfig, SFTTrainer
 
 import sonar_fx
 from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to, synthetic_records
-from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config
+from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config, trainer_schedule
 from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
 from sonar_fx.models import build_model
 
@@ -222,7 +222,17 @@ def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, c
     report = model.sonar.report()
     assert report["updates_deferred"] == 3 * 4 and report["deferred"]["kept_operand_peak"] > 0
     assert report["deferred"]["kept_whole"] == [] and report["fallbacks"] == []
+    assert (report["graphs_compiled"] + report["graphs_from_cache"] > 0) == (compiler == "aot_eager")
     assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+
+
+def test_the_schedule_follows_the_arguments(tmp_path):
+    def schedule(**overrides):
+        return trainer_schedule(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **overrides))
+
+    assert schedule() == "deferred"  # max_grad_norm=1.0 clips every parameter
+    assert schedule(max_grad_norm=0.0, gradient_accumulation_steps=2) == "deferred"
+    assert schedule(max_grad_norm=0.0) == "in_backward"  # the same arithmetic, the fastest path
 
 
 def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
@@ -289,6 +299,9 @@ def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
     assert model.sonar.schedule == "deferred"
     assert_same_weights(model, plain)
     assert weights_differ(model, build_model("tiny-qwen3moe", seed=0))
+    report = model.sonar.report()  # every expert gradient came from kept operands (or crossed over)
+    assert report["updates_deferred"] == 2 * 4 and report["deferred"]["kept_whole"] == []
+    assert (report["graphs_compiled"] + report["graphs_from_cache"] > 0) == (compiler == "aot_eager")
 
 
 # ------------------------------------------------------------------------------------------ resume
