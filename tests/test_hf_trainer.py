@@ -341,6 +341,24 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert weights_differ(fresh, whole)
 
 
+def test_drop_in_resume_with_accumulation_equals_the_uninterrupted_run(tmp_path):
+    """The deferred schedule keeps nothing across a step: a Trainer checkpoint (optimizer.pt holds
+    model.sonar's state) resumes bitwise with accumulation and the all-parameter clip."""
+
+    def trainer(out):
+        steps = dict(max_steps=4, gradient_accumulation_steps=2, save_strategy="steps", save_steps=2)
+        args = TrainingArguments(output_dir=str(out), **{**DEFAULTS, **CLIPPED, **steps})
+        return SonarTrainer(model=build_model("tiny-olmoe", seed=0), args=args, train_dataset=SHORT)
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.model.sonar.schedule == "deferred"
+    assert_same_weights(resumed.model, whole.model)
+    assert weights_differ(resumed.model, build_model("tiny-olmoe", seed=0))
+
+
 def test_load_best_model_at_end_restores_the_expert_tensors_too(tmp_path):
     """The best checkpoint is made the earlier one (highest loss "best"), so loading it must move every
     tensor back, experts included, to what from_pretrained reads from that checkpoint."""
