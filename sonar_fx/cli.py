@@ -127,6 +127,9 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
         help="sonar under a compiler: keep the eager hooks on the compiled model, no graph pass")  # fmt: skip
     add("--steps", type=int, default=None, help="optimizer steps (default: one pass over the train split)")
     add("--batch-size", type=int, default=d.batch_size)
+    add("--grad-accum", type=int, default=d.grad_accum, metavar="N",
+        help="micro-batches per optimizer step, gradients accumulated (every method alike; sonar: exact, "
+        "through the deferred schedule)")  # fmt: skip
     add("--max-len", type=int, default=d.max_len, help="tokens per example; longer ones are truncated")
     add(
         "--lr",
@@ -154,6 +157,9 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--expert-clip", type=_expert_clip, default=d.expert_clip, metavar="{none,per_tensor,global}",
         help="clip expert gradients to --max-grad-norm: not at all (none, the paper), each tensor by its "
         "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
+    add("--clip-scope", choices=("all", "dense"), default=None,
+        help="gradients one global norm clips: all (every parameter; sonar: exact, one backward, the "
+        "deferred schedule) or dense (sonar's in-backward default); default: the method's")  # fmt: skip
     add("--state-bits", type=int, choices=STATE_BITS, default=d.state_bits,
         help="adamw, adam: bits of expert moments (8, 4: torchao low-bit states)")  # fmt: skip
     add("--dense-state-bits", type=int, choices=STATE_BITS, default=d.dense_state_bits,

@@ -215,13 +215,20 @@ class TrainingMethod:
     def compiler(self) -> str:
         return self.execution.compiler
 
-    def forward_backward(self, batch: Mapping[str, Tensor]) -> Tensor:
+    def forward_backward(self, batch: Mapping[str, Tensor], micro_batches: int = 1) -> Tensor:
+        """Forward and backward of `batch`, one of `micro_batches` of a step: its loss divided by their
+        number (the mean over the step, as transformers' Trainer divides it); returns it, divided."""
+
+        def loss() -> Tensor:
+            out = self.model(**batch).loss
+            return out if micro_batches == 1 else out / micro_batches
+
         if isinstance(self.optimizer, SonarOptimizer):
             # Two forward/backward passes under expert_clip="global" (see SonarOptimizer.backward).
-            return self.optimizer.backward(lambda: self.model(**batch).loss)
-        loss = self.model(**batch).loss
-        loss.backward()
-        return loss.detach()
+            return self.optimizer.backward(loss)
+        out = loss()
+        out.backward()
+        return out.detach()
 
     def optimizer_step(self) -> None:
         if self.optimizer is None:
@@ -233,12 +240,11 @@ class TrainingMethod:
 
     def train_step(self, batch: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]]) -> Tensor:
         """One optimizer step on `batch`, or on each of a list of micro-batches (their gradients
-        accumulated; the loss returned is the last one's)."""
+        accumulated, each loss divided by their number; the loss returned is their mean)."""
         micro = [batch] if isinstance(batch, Mapping) else list(batch)
-        for b in micro:
-            loss = self.forward_backward(b)
+        losses = [self.forward_backward(b, len(micro)) for b in micro]
         self.optimizer_step()
-        return loss
+        return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

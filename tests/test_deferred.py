@@ -153,6 +153,36 @@ def test_grad_scaler_fp16_autocast_with_overflowing_steps(compiler):
     assert_same_weights(model, twin_model)
 
 
+def test_grad_scaler_with_crossed_over_gradients_unscales_them_once():
+    """Past the crossover an expert gradient sits in `.grad`, where the scaler itself unscales and checks
+    it: the deferred step must not unscale it a second time (it did: 1/scale^2)."""
+    model, opt, twin_model, twin = pair("eager", torch.float32, "all")
+    ours, theirs = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**8),
+        torch.amp.GradScaler("cpu", init_scale=2.0**8),
+    )
+    big = batches(6, batch=4, seq=64)
+    for s in range(2):
+        for b in big[3 * s : 3 * s + 3]:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(**b).loss
+            ours.scale(loss).backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = twin.run(**b).loss
+            theirs.scale(loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+        theirs.unscale_(twin.opt)
+        twin.clip_()
+        theirs.step(twin.opt)
+        theirs.update()
+        twin.opt.zero_grad()
+    assert opt.report()["deferred"]["crossed_over"], "no tensor crossed over"
+    assert ours.get_scale() == theirs.get_scale()
+    assert_same_weights(model, twin_model)
+
+
 def test_an_inf_only_in_an_expert_gradient_skips_the_step_and_backs_off():
     """The scaler's own check sees only dense gradients; an inf in a deferred expert gradient must
     reach its verdict: no weight or state moves, and update() backs off."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import warnings
 
 import pytest
@@ -27,7 +28,7 @@ from trl import SFTConfig, SFTTrainer
 
 import sonar_fx
 from sonar_fx.data import ByteTokenizer, collate, encode_example, encode_records, pad_to, synthetic_records
-from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config
+from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config, trainer_schedule
 from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
 from sonar_fx.models import build_model
 
@@ -182,6 +183,127 @@ def test_sft_trainer_equals_standard_with_trls_defaults(compiler):
     assert weights_differ(sonar_model, build_model("tiny-qwen3moe", seed=0))
 
 
+# ------------------------------------------------------------------ the drop-in: the Trainer's defaults
+
+_IDS = torch.randint(0, 259, (48, 32), generator=torch.Generator().manual_seed(0)).tolist()
+SHORT = [
+    dict(input_ids=ids, labels=ids) for ids in _IDS
+]  # few tokens per step: operands stay below gradients
+# The Trainer's defaults (max_grad_norm=1.0 over every parameter, its fused AdamW, weight_decay 0, the
+# linear schedule), accumulating 4 micro-batches; only the LR is raised so that 3 steps move the weights.
+# The default clip (1.0) is active on some steps of this data; 0.5 (CLIPPED) on every one.
+CLIPPED = dict(max_grad_norm=0.5)
+DEFAULTS = dict(
+    learning_rate=1e-2, gradient_accumulation_steps=4, per_device_train_batch_size=2, max_steps=3, seed=0,
+    save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True,
+)  # fmt: skip
+
+
+def drop_in_run(trainer_cls, out, model_name="tiny-olmoe", overrides=CLIPPED, **kwargs):
+    torch._dynamo.reset()
+    model = build_model(model_name, seed=0)
+    args = TrainingArguments(output_dir=str(out), **{**DEFAULTS, **overrides})
+    trainer = trainer_cls(model=model, args=args, train_dataset=SHORT, **kwargs)
+    trainer.train()
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return trainer.model, trainer, norms
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, compiler):
+    """Swapping the class is the whole migration: the plain Trainer's all-parameter clip, accumulation of
+    4 and scheduler, bitwise, with Sonar's memory (expert gradients from operands kept in backward)."""
+    plain, _, plain_norms = drop_in_run(Trainer, tmp_path / "plain")
+    model, _, norms = drop_in_run(SonarTrainer, tmp_path / "sonar", sonar_compiler=compiler)
+    assert model.sonar.schedule == "deferred" and model.sonar.cfg.expert_clip == "global"
+    assert norms == plain_norms and all(n > 0.5 for n in norms)  # the same norm, clipped on every step
+    assert_same_weights(model, plain)
+    assert weights_differ(model, build_model("tiny-olmoe", seed=0))
+    report = model.sonar.report()
+    assert report["updates_deferred"] == 3 * 4 and report["deferred"]["kept_operand_peak"] > 0
+    assert report["deferred"]["kept_whole"] == [] and report["fallbacks"] == []
+    assert (report["graphs_compiled"] + report["graphs_from_cache"] > 0) == (compiler == "aot_eager")
+    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+
+
+def test_the_schedule_follows_the_arguments(tmp_path):
+    def schedule(**overrides):
+        return trainer_schedule(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **overrides))
+
+    assert schedule() == "deferred"  # max_grad_norm=1.0 clips every parameter
+    assert schedule(max_grad_norm=0.0, gradient_accumulation_steps=2) == "deferred"
+    assert schedule(max_grad_norm=0.0) == "in_backward"  # the same arithmetic, the fastest path
+
+
+def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
+    """Teeth: the in-backward schedule (the Trainer's clip sees only the dense gradients) at GA=1 is
+    not the plain Trainer."""
+    one = {**DEFAULTS, "gradient_accumulation_steps": 1}
+    args = TrainingArguments(output_dir=str(tmp_path), **one)
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    SonarTrainer(model=model, args=args, train_dataset=SHORT).train()
+    plain = build_model("tiny-olmoe", seed=0)
+    args = TrainingArguments(output_dir=str(tmp_path), **one)
+    Trainer(model=plain, args=args, train_dataset=SHORT).train()
+    assert model.sonar.schedule == "in_backward" and weights_differ(model, plain)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_path, optim):
+    """fp16=True: on CPU accelerate builds neither autocast nor a GradScaler, so both are given to both
+    Trainers (before accelerate wraps model and optimizer), with a scale that overflows: skipped steps,
+    backed-off scales, and the LR schedule the plain Trainer's AdamW implies (the fused one is stepped
+    on every step and skips inside, so its schedule advances; the foreach one is not stepped)."""
+    runs = []
+    for cls in (Trainer, SonarTrainer):
+        model = build_model("tiny-olmoe", seed=0)
+        overrides = {**DEFAULTS, "fp16": True, "optim": optim}
+        args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), **overrides)
+        trainer = cls(model=model, args=args, train_dataset=SHORT)
+        trainer.accelerator.native_amp = True  # fp16 autocast, as accelerate sets it up on a GPU
+        trainer.accelerator.scaler = torch.amp.GradScaler(
+            "cpu", init_scale=2.0**24, growth_factor=2.0**8, backoff_factor=2.0**-8, growth_interval=1
+        )
+        trainer.train()
+        norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+        runs.append((trainer.model, trainer.accelerator.scaler.get_scale(), norms, lrs))
+    (plain, *plain_facts), (model, *facts) = runs
+    assert model.sonar.schedule == "deferred"
+    assert facts[0] == plain_facts[0] == 2.0**16  # 2 of 3 steps overflowed: 2^24 * 2^8 * 2^-8 * 2^-8
+    assert facts[2] == plain_facts[2]  # the LR schedule: held on a skipped step only with foreach AdamW
+    assert (facts[2][1] == facts[2][0]) == (optim == "adamw_torch")
+    assert [math.isnan(n) for n in facts[1]] == [math.isnan(n) for n in plain_facts[1]] == [True, False, True]
+    if optim == "adamw_torch_fused":  # Sonar's arithmetic is the fused kernel's; foreach rounds otherwise
+        assert_same_weights(model, plain)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
+    """TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, the fused LM head, the
+    router's auxiliary loss) and the Trainer's all-parameter clip, accumulating 2 micro-batches."""
+    runs = []
+    for cls in (SFTTrainer, SonarSFTTrainer):
+        torch._dynamo.reset()
+        args = training_args(
+            "unused", SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2, weight_decay=0.0,
+            gradient_accumulation_steps=2,
+        )  # fmt: skip
+        data, tokenizer = Dataset.from_list(prompt_completion(RECORDS)), byte_tokenizer()
+        kwargs = {} if cls is SFTTrainer else {"sonar_compiler": compiler}
+        model = build_model("tiny-qwen3moe", seed=0)
+        trainer = cls(model=model, args=args, train_dataset=data, processing_class=tokenizer, **kwargs)
+        trainer.train()
+        runs.append(trainer.model)
+    plain, model = runs
+    assert model.sonar.schedule == "deferred"
+    assert_same_weights(model, plain)
+    assert weights_differ(model, build_model("tiny-qwen3moe", seed=0))
+    report = model.sonar.report()  # every expert gradient came from kept operands (or crossed over)
+    assert report["updates_deferred"] == 2 * 4 and report["deferred"]["kept_whole"] == []
+    assert (report["graphs_compiled"] + report["graphs_from_cache"] > 0) == (compiler == "aot_eager")
+
+
 # ------------------------------------------------------------------------------------------ resume
 
 
@@ -217,6 +339,24 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     fresh, t = trainer(tmp_path / "fresh", 4)
     t.train(resume_from_checkpoint=str(checkpoint))
     assert weights_differ(fresh, whole)
+
+
+def test_drop_in_resume_with_accumulation_equals_the_uninterrupted_run(tmp_path):
+    """The deferred schedule keeps nothing across a step: a Trainer checkpoint (optimizer.pt holds
+    model.sonar's state) resumes bitwise with accumulation and the all-parameter clip."""
+
+    def trainer(out):
+        steps = dict(max_steps=4, gradient_accumulation_steps=2, save_strategy="steps", save_steps=2)
+        args = TrainingArguments(output_dir=str(out), **{**DEFAULTS, **CLIPPED, **steps})
+        return SonarTrainer(model=build_model("tiny-olmoe", seed=0), args=args, train_dataset=SHORT)
+
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    resumed = trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.model.sonar.schedule == "deferred"
+    assert_same_weights(resumed.model, whole.model)
+    assert weights_differ(resumed.model, build_model("tiny-olmoe", seed=0))
 
 
 def test_load_best_model_at_end_restores_the_expert_tensors_too(tmp_path):
@@ -318,13 +458,27 @@ def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overri
         ({}, {"optim": "sgd"}, "optim='sgd'"),
         ({}, {"torch_compile": True}, "torch_compile=False"),
         ({}, {"torch_compile": True, "torch_compile_backend": "sonar"}, r"not 'sonar'.*sonar_fx\.compile"),
-        ({}, {"fp16": True}, "Use bf16=True or fp32"),
+        ({}, {"fp16": True}, r"schedule='deferred'.*bf16=True or fp32"),
     ],
 )
 def test_settings_that_would_train_differently_are_refused(tmp_path, cfg_changes, arg_overrides, match):
     _, build = _sonar_trainer(tmp_path, cfg_changes, **arg_overrides)
     with pytest.raises(sonar_fx.SonarUsageError, match=match):
         build()
+
+
+def test_a_deferred_model_that_clips_otherwise_than_the_arguments_is_refused(tmp_path):
+    """Under the deferred schedule Sonar's step() is the one clip: it must clip as the arguments say."""
+    _, build = _sonar_trainer(tmp_path, compile_kwargs={"schedule": "deferred"})  # Sonar's clip off
+    with pytest.raises(
+        sonar_fx.SonarUsageError, match=r"clips to max_grad_norm=None, the TrainingArguments to 0\.5"
+    ):
+        build()
+    _, build = _sonar_trainer(
+        tmp_path, {"max_grad_norm": 0.5, "expert_clip": "global"}, {"schedule": "deferred"},
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    assert build().sonar.schedule == "deferred"  # prepared by the user as SonarTrainer would: accepted
 
 
 def test_another_optimizer_and_late_trainable_parameters_are_refused(tmp_path):

@@ -295,7 +295,7 @@ def _nan_gradients_on_step(monkeypatch, step: int) -> None:
     """Make the backward of step `step` run on a NaN loss, so every gradient is NaN."""
     calls = []
 
-    def forward_backward(self, batch):
+    def forward_backward(self, batch, micro_batches=1):
         calls.append(1)
         loss = self.model(**batch).loss
         if len(calls) == step:

@@ -1,26 +1,32 @@
 """Sonar in transformers' `Trainer`: the optimizer, the one gradient clip, and the checks, in one place.
 
-For: the one supported way to train a model compiled by `sonar_fx.compile` with `Trainer`, or with any
-Trainer subclass through `SonarTrainerMixin` (TRL's `SFTTrainer`: `sonar_fx.integrations.sft`):
+For: the one supported way to train an MoE model with `Trainer` under Sonar, or with any Trainer
+subclass through `SonarTrainerMixin` (TRL's `SFTTrainer`: `sonar_fx.integrations.sft`). Swapping the
+class is the whole migration:
 
-    args = TrainingArguments(output_dir=..., learning_rate=2e-5, max_grad_norm=1.0, ...)
-    model = sonar_fx.compile(model, sonar_config(args), compiler="inductor")
+    args = TrainingArguments(output_dir=..., gradient_accumulation_steps=4, ...)   # any defaults
     SonarTrainer(model=model, args=args, train_dataset=..., data_collator=...).train()
 
+trains bitwise as `Trainer(model=model, args=args, ...)` does (`sonar_compiler="inductor"` compiles the
+model with the graph pass; default "eager", as the Trainer runs it).
+- Schedule (`trainer_schedule`): the Trainer clips every parameter (`max_grad_norm > 0`, its default),
+  accumulates (`gradient_accumulation_steps > 1`) and scales an fp16 loss, all at the end of the step:
+  an unprepared model is prepared with schedule="deferred" for any of these (expert gradients computed
+  at `step()` from operands kept in backward) and with the in-backward schedule otherwise (the same
+  arithmetic, fastest). A model the user prepared keeps its schedule; an in-backward one clips only
+  the dense gradients (the Trainer's clip sees no expert `.grad`) and refuses accumulation and fp16.
 - Optimizer: `model.sonar`, whose AdamW hyper-parameters come from the Trainer's own arguments
-  (`sonar_config`); scheduler: the Trainer's own (`lr_scheduler_type`, warm-up), which drives the dense
-  and the expert LR alike (both are param groups of `model.sonar`).
-- Clipping, exactly once, by the Trainer: it clips every parameter that has a `.grad` to
-  `args.max_grad_norm` before `optimizer.step()`. Sonar leaves expert `.grad` None, so the Trainer's clip
-  IS the dense-only clip of the method. Sonar's own clip is off (`sonar_config` sets
-  `max_grad_norm=None`); a model whose Sonar config clips is refused, since a second clip is not a no-op
-  (it scales by max_norm / (norm + 1e-6)).
+  (`sonar_config`); scheduler: the Trainer's own, which drives the dense and the expert LR alike.
+- Clipping, exactly once: deferred, by Sonar's `step()` (one global norm over every parameter with the
+  Trainer's `max_grad_norm`; the Trainer's own clip is switched off, and the norm it logs is Sonar's);
+  in-backward, by the Trainer (Sonar's clip off: a second clip is not a no-op).
 - Checkpoints: the Trainer's own. Its `optimizer.pt` holds `model.sonar.state_dict()` (dense and expert
   moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise; expert weights
   that `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
 
-Never: clip twice, accumulate gradients silently (experts are updated inside every backward), ignore a
-Trainer argument that would change the optimizer, or leave a trainable parameter out of the optimizer.
+Never: clip twice, accumulate gradients silently (in-backward experts are updated inside every
+backward), ignore a Trainer argument that would change the optimizer, or leave a trainable parameter
+out of the optimizer.
 """
 
 from __future__ import annotations
@@ -31,15 +37,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from sonar_fx.api import compile as sonar_compile
 from sonar_fx.api import sonar_of
 from sonar_fx.config import AdamWConfig
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.optimizer import Schedule, SonarOptimizer
 
 try:
-    from transformers import PreTrainedModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+    from transformers import (
+        PreTrainedModel,
+        PreTrainedTokenizerFast,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 except ImportError as err:  # Trainer needs accelerate, which only the extra brings
     raise ImportError(
         f"sonar_fx.integrations.hf needs transformers' Trainer ({err}); install the extra: "
@@ -51,23 +64,49 @@ __all__ = [
     "SonarTrainerMixin",
     "byte_tokenizer",
     "check_trainer_setup",
+    "prepare_for_trainer",
     "sonar_config",
+    "trainer_schedule",
 ]
 
 SONAR_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """`TrainingArguments.optim` values Sonar computes (fused AdamW arithmetic)."""
 
 
-def sonar_config(args: TrainingArguments) -> AdamWConfig:
-    """The `AdamWConfig` for `sonar_fx.compile` from the Trainer's own arguments, with Sonar's clip off:
-    the Trainer clips (`args.max_grad_norm`), once, and that clip sees only dense gradients."""
+def _trainer_clips(args: TrainingArguments) -> bool:
+    return args.max_grad_norm is not None and args.max_grad_norm > 0
+
+
+def trainer_schedule(args: TrainingArguments) -> Schedule:
+    """The schedule under which Sonar trains as the Trainer does with `args`: "deferred" when the Trainer
+    clips every parameter, accumulates or scales an fp16 loss (facts known only at the end of the step);
+    otherwise "in_backward" (the same arithmetic, the fastest path)."""
+    end_of_step = _trainer_clips(args) or args.gradient_accumulation_steps > 1 or args.fp16
+    return "deferred" if end_of_step else "in_backward"
+
+
+def sonar_config(args: TrainingArguments, schedule: Schedule = "in_backward") -> AdamWConfig:
+    """The `AdamWConfig` for `sonar_fx.compile(..., schedule=schedule)` from the Trainer's own arguments.
+    "deferred": Sonar clips, with the Trainer's `max_grad_norm`, one norm over every parameter (the
+    Trainer's clip is then switched off). "in_backward": Sonar's clip off; the Trainer clips, once, and
+    that clip sees only dense gradients."""
+    clip = args.max_grad_norm if schedule == "deferred" and _trainer_clips(args) else None
     return AdamWConfig(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
-        max_grad_norm=None,
+        max_grad_norm=clip,
+        expert_clip="global" if clip is not None else None,
     )
+
+
+def prepare_for_trainer(model: nn.Module, args: TrainingArguments, *, compiler: str = "eager") -> nn.Module:
+    """`sonar_fx.compile` `model` so that it trains as the Trainer would with `args` (the schedule of
+    `trainer_schedule`, the config of `sonar_config`). `compiler="eager"`: hooks, no torch.compile, as
+    the Trainer runs a model by default; "aot_eager" or "inductor": the graph pass."""
+    schedule = trainer_schedule(args)
+    return sonar_compile(model, sonar_config(args, schedule), compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 
 def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer) -> None:
@@ -80,17 +119,37 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: So
             f"AdamW ({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
             "element-wise optimizer. Leave optim at its default."
         )
+    refuse_torch_compile(args)
+    if optimizer.schedule == "deferred":
+        _check_deferred_clip(args, optimizer)
+    else:
+        _check_in_backward(args, optimizer)
+    _check_hyperparameters(args, optimizer)
+    _check_trainable(model, optimizer)
+
+
+def _check_in_backward(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
     if args.fp16:
         raise SonarUsageError(
             "TrainingArguments(fp16=True) scales the loss with a GradScaler, whose unscale and inf check "
-            "run after Sonar has updated the experts from the scaled gradients in backward. Use bf16=True or "
-            "fp32."
+            "run after the in-backward schedule has updated the experts from the scaled gradients. Let "
+            "SonarTrainer prepare the model (schedule='deferred', which joins the scaler's verdict), "
+            "or use bf16=True or fp32."
         )
-    refuse_torch_compile(args)
     _check_accumulation(args, optimizer)
     _check_clip(args, optimizer)
-    _check_hyperparameters(args, optimizer)
-    _check_trainable(model, optimizer)
+
+
+def _check_deferred_clip(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
+    """Deferred: Sonar's step() is the one clip; it must clip as the Trainer's arguments say."""
+    cfg, wanted = optimizer.cfg, sonar_config(args, "deferred")
+    if cfg.max_grad_norm != wanted.max_grad_norm:
+        raise SonarUsageError(
+            f"model.sonar (schedule='deferred') clips to max_grad_norm={cfg.max_grad_norm}, the "
+            f"TrainingArguments to {args.max_grad_norm}: under the deferred schedule Sonar's step() is the "
+            "one clip (the Trainer's is switched off). Compile with "
+            "sonar_fx.integrations.hf.sonar_config(args, 'deferred'), or pass the model unprepared."
+        )
 
 
 def refuse_torch_compile(args: TrainingArguments) -> None:
@@ -113,7 +172,8 @@ def _check_accumulation(args: TrainingArguments, optimizer: SonarOptimizer) -> N
             f"TrainingArguments(gradient_accumulation_steps={steps}): Sonar updates the expert tensors "
             "inside every backward, so accumulating would update them once per micro-batch (a different "
             "optimizer). "
-            f"For the same effective batch, set gradient_accumulation_steps=1 and multiply "
+            "For exact accumulation, let SonarTrainer prepare the model (schedule='deferred'); for the "
+            f"same effective batch in-backward, set gradient_accumulation_steps=1 and multiply "
             f"per_device_train_batch_size by {steps}; to train with one expert update per micro-batch on "
             "purpose, compile with sonar_fx.compile(..., accumulation='per_microbatch')."
         )
@@ -164,14 +224,27 @@ def _check_trainable(model: nn.Module, optimizer: SonarOptimizer) -> None:
 
 class SonarTrainerMixin:
     """Put before a `Trainer` class (`class T(SonarTrainerMixin, Trainer)`): its optimizer is
-    `model.sonar`, its scheduler the Trainer's own, and its arguments are checked when it is built."""
+    `model.sonar` (an unprepared model is prepared by `prepare_for_trainer` with `sonar_compiler`), its
+    scheduler the Trainer's own, and its arguments are checked when it is built."""
 
     sonar: SonarOptimizer
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sonar_compiler: str = "eager", **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             refuse_torch_compile(training_args)  # before the Trainer hands it to accelerate, which fails
+        model = kwargs.get("model", args[0] if args else None)
+        if isinstance(model, nn.Module) and not isinstance(getattr(model, "sonar", None), SonarOptimizer):
+            if training_args is None:
+                raise SonarUsageError(
+                    f"{type(self).__name__}(model=<unprepared model>) without args: the TrainingArguments "
+                    "decide how Sonar prepares the model (clip, accumulation); pass args=."
+                )
+            model = prepare_for_trainer(model, training_args, compiler=sonar_compiler)
+            if "model" in kwargs:
+                kwargs["model"] = model
+            else:
+                args = (model, *args[1:])
         super().__init__(*args, **kwargs)
         trainer: Any = self
         self.sonar = sonar_of(trainer.model)
@@ -193,12 +266,27 @@ class SonarTrainerMixin:
                 "weights and biases included (the Trainer's own AdamW exempts those).",
                 stacklevel=2,
             )
+        self._sonar_norm: Tensor | None = None
+        if self.sonar.schedule == "deferred":
+            trainer.add_callback(_DeferredStep(self))
 
     def create_optimizer(self, model: nn.Module | None = None) -> SonarOptimizer:
         trainer: Any = self
         check_trainer_setup(trainer.args, trainer.model, self.sonar)
         trainer.optimizer = self.sonar
         return self.sonar
+
+    def _clip_grad_norm(self, model: nn.Module) -> Tensor | None:
+        if self.sonar.schedule == "deferred":
+            return None  # Sonar's step() clips, once, with the norm of every gradient
+        return super()._clip_grad_norm(model)  # type: ignore[misc]
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.sonar.schedule == "deferred":
+            # The norm exists only inside step(): `_DeferredStep` fills this before the Trainer logs it.
+            self._sonar_norm = torch.full((), float("nan"))
+            return self._sonar_norm
+        return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         trainer: Any = self
@@ -209,6 +297,44 @@ class SonarTrainerMixin:
         trainer: Any = self
         super()._load_best_model()  # type: ignore[misc]
         load_converted_weights_(trainer.model, Path(trainer.state.best_model_checkpoint))
+
+
+class _DeferredStep(TrainerCallback):
+    """The Trainer's end of a deferred step, where its loop assumes the gradients were all in `.grad`:
+    - the norm it logs is the one Sonar's step() clipped by (the Trainer's clip is off);
+    - accelerate reports a step skipped (and the Trainer then holds the LR scheduler) when the scaler
+      did not call `step()`. The plain Trainer's AdamW decides that call: the fused one
+      (`_step_supports_amp_scaling`) is always called and skips inside, so its LR schedule advances
+      on every step; the foreach one is not called on an overflow. Sonar's step is called unless the
+      DENSE gradients overflowed; so the flag is set as the Trainer's AdamW would have it (overflow:
+      the scale backed off in `update()`);
+    - the kept operands of a skipped step are dropped with the gradients: the Trainer zeroes the
+      model's gradients, not the optimizer's, and kept operands are the optimizer's."""
+
+    def __init__(self, trainer: SonarTrainerMixin) -> None:
+        self.trainer = trainer
+        self.scale: float | None = None
+
+    def _scaler(self) -> Any:
+        return getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scaler = self._scaler()
+        self.scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scaler, optimizer = self._scaler(), kwargs["optimizer"]
+        backed_off = self.scale is not None and scaler.get_scale() < self.scale
+        if self.scale is not None and hasattr(optimizer, "_is_overflow"):
+            fused = str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
+            optimizer._is_overflow = backed_off and not fused  # behind `optimizer_step_was_skipped`
+        norms = self.trainer.sonar.grad_norms()
+        norm = norms["total"] if norms["total"] is not None else norms["dense"]
+        if self.trainer._sonar_norm is not None and norm is not None and not backed_off:
+            self.trainer._sonar_norm.fill_(norm)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.sonar.zero_grad()
 
 
 def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:

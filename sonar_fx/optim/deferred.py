@@ -185,12 +185,15 @@ def step(opt: SonarOptimizer) -> None:
     experts = [p for p in opt.expert_group["params"] if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     scaler = scaler_step(opt)
+    # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
+    # unscaled and checked them: unscaling it again would divide it by the scale twice.
+    unscaled = {id(p) for p in experts if p.grad is not None} if scaler is not None else set()
     clip_all = opt.cfg.expert_clip == "global"
     # A verdict before any weight moves: the scaler's, the global norm, or nonfinite="skip"'s promise
     # that a skipped step is as if never seen (each costs one more computation of every gradient).
     skip_whole = opt.nonfinite_policy.mode == "skip"
     if scaler is not None or clip_all or skip_whole:
-        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole)
+        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
             opt.clipper.abandon()
@@ -219,7 +222,7 @@ def step(opt: SonarOptimizer) -> None:
         grad = grad_like_param(p, _required(store.gradient(p, consume=True)))
         opt.meter.appeared(p, grad.nbytes)
         try:
-            if scaler is not None:
+            if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
             opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
         finally:
@@ -244,17 +247,22 @@ def _skip_for_experts(opt: SonarOptimizer) -> bool:
 
 
 def _first_pass(
-    opt: SonarOptimizer, experts: list[Tensor], scaler: ScalerStep | None, clip_all: bool
+    opt: SonarOptimizer,
+    experts: list[Tensor],
+    scaler: ScalerStep | None,
+    clip_all: bool,
+    unscaled: set[int],
 ) -> Tensor | None:
-    """Compute each expert gradient once, unscale and check it (scaler) and record its norm (global
-    clip), then free it. Returns the experts' inf verdict (scaler only)."""
+    """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
+    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
+    Returns the experts' inf verdict (scaler only)."""
     found_inf = None
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     for p in experts:
         grad = grad_like_param(p, _required(opt.deferred.gradient(p, consume=False)))
         opt.meter.appeared(p, grad.nbytes)
-        if scaler is not None and found_inf is not None:
+        if scaler is not None and found_inf is not None and id(p) not in unscaled:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)

@@ -68,6 +68,14 @@ class TrainConfig:
     steps: int | None = None
     """Optimizer steps; None: one pass over the training split."""
     batch_size: int = 2
+    grad_accum: int = 1
+    """Micro-batches (each `batch_size` examples) per optimizer step, their gradients accumulated and
+    the loss of each divided by their number, for every method alike. > 1 trains sonar with the
+    deferred schedule (exact accumulation; chosen automatically)."""
+    clip_scope: Literal["all", "dense"] | None = None
+    """Which gradients the one global norm clips: "all" (every parameter; sonar: exact through the
+    deferred schedule, chosen automatically; standard), "dense" (the dense ones only; sonar's
+    in-backward default, standard_no_expert_clip); None: what the method and --expert-clip say."""
     max_len: int = 256
     """Tokens per example (longer examples are truncated)."""
     lr: float | None = None
@@ -165,6 +173,8 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
     fields["sonar_pass"] = cfg.execution.sonar_pass
     if cfg.dense_state_bits != 32:  # (absent at its default, as in checkpoints written before the flag)
         fields["dense_state_bits"] = cfg.dense_state_bits
+    if cfg.grad_accum != 1:  # (likewise; --clip-scope is resolved into method and expert_clip)
+        fields["grad_accum"] = cfg.grad_accum
     if cfg.parallel is not None:  # (absent from single-process identities, as before)
         fields.update(parallel=cfg.parallel, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return {**fields, "data": data_hash}

@@ -155,22 +155,26 @@ class Trainer:
 
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
-        batch, n_tok = self.parallel.rank_batch(self.stream)  # n_tok: every rank's tokens
-        if cfg.pad_to_max_len:
-            batch = D.pad_to(batch, cfg.max_len, self.plan.tokenizer.pad_id)
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        micro, n_tok = [], 0
+        for _ in range(cfg.grad_accum):  # the step's micro-batches, in stream order
+            batch, tokens = self.parallel.rank_batch(self.stream)  # tokens: every rank's
+            if cfg.pad_to_max_len:
+                batch = D.pad_to(batch, cfg.max_len, self.plan.tokenizer.pad_id)
+            micro.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+            n_tok += tokens
+        step_batch: Any = micro[0] if len(micro) == 1 else micro
         lr = self.method.optimizers[0].param_groups[0]["lr"]
         t0 = time.perf_counter()
         if step == self.measure_at:
             held = state_bytes(self.model, self.method.optimizers)
-            loss, peak = measure_peak(lambda: self.method.train_step(batch), self.device)
+            loss, peak = measure_peak(lambda: self.method.train_step(step_batch), self.device)
             self.stats.peak = {
                 "step": step + 1,
                 "state_bytes": held,
                 "transient_bytes": peak.peak_bytes,
             }
         else:
-            loss = self.method.train_step(batch)
+            loss = self.method.train_step(step_batch)
         # synchronizes, so the time below is the whole step; ranks log the mean loss over ranks
         loss_value = self.parallel.mean_loss(loss)
         seconds = time.perf_counter() - t0
@@ -196,7 +200,10 @@ class Trainer:
         optimizer = self.method.optimizer
         if not isinstance(optimizer, SonarOptimizer) or optimizer.meter.last_peak is None:
             return {}
-        return {"expert_grad_peak_bytes": optimizer.meter.last_peak}
+        record: dict[str, Any] = {"expert_grad_peak_bytes": optimizer.meter.last_peak}
+        if optimizer.schedule == "deferred":  # report()["deferred"]["kept_operand_peak"], without a report
+            record["kept_operand_peak_bytes"] = optimizer.deferred.last_peak_bytes
+        return record
 
     def _grad_norms(self) -> dict[str, Any]:
         """Sonar's gradient norms of the step (taken inside its updates; before clipping)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, OptimizerConfig
+from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, ExpertClip, OptimizerConfig
 from sonar_fx.engines import engine_named
 from sonar_fx.methods import METHODS, Method
 from sonar_fx.models import TINY_MODELS, build_model
@@ -49,6 +49,8 @@ def check_flags(cfg: TrainConfig) -> None:
         (cfg.dtype in (None, *DTYPES), "dtype", f"one of {', '.join(DTYPES)}"),
         (cfg.steps is None or cfg.steps >= 1, "steps", ">= 1"),
         (cfg.batch_size >= 1, "batch_size", ">= 1"),
+        (cfg.grad_accum >= 1, "grad_accum", ">= 1"),
+        (cfg.clip_scope in (None, "all", "dense"), "clip_scope", "'all' or 'dense'"),
         (cfg.max_len >= 2, "max_len", ">= 2"),
         (cfg.warmup is None or cfg.warmup >= 0, "warmup", ">= 0"),
         (cfg.min_lr >= 0 and math.isfinite(cfg.min_lr), "min_lr", "a finite number >= 0"),
@@ -292,14 +294,16 @@ def resolve(
     cfg: TrainConfig, *, local: bool, n_train: int, n_held_out: int
 ) -> tuple[TrainConfig, OptimizerConfig]:
     """The config with every None field resolved (see `TrainConfig`), and its optimizer config."""
-    if n_train < cfg.batch_size:
+    per_step = cfg.batch_size * cfg.grad_accum
+    if n_train < per_step:
         raise ConfigError(
-            f"only {n_train} training examples for --batch-size {cfg.batch_size}; lower the batch size or "
-            "add data (--train-size, --data)",
+            f"only {n_train} training examples for --batch-size {cfg.batch_size} x --grad-accum "
+            f"{cfg.grad_accum}; lower them or add data (--train-size, --data)",
             flag="--batch-size",
         )
+    cfg = resolve_schedule(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    steps = cfg.steps or n_train // cfg.batch_size
+    steps = cfg.steps or n_train // per_step
     lr = cfg.lr if cfg.lr is not None else (2e-5 if local else 3e-3)
     opt_cfg = optimizer_config(cfg, lr)
     if cfg.min_lr > lr:
@@ -323,6 +327,47 @@ def resolve(
         pad_to_max_len=cfg.pad_to_max_len if cfg.pad_to_max_len is not None else cfg.execution.compiled,
     )
     return resolved, opt_cfg
+
+
+def resolve_schedule(cfg: TrainConfig) -> TrainConfig:
+    """`--clip-scope` and `--grad-accum` resolved into the method and `expert_clip` they need: sonar with
+    an all-parameter clip or accumulation trains with the deferred schedule (method sonar_deferred,
+    exact); a baseline must already clip as the scope says. Contradictions are refused by flag."""
+    method, expert_clip = cfg.method, cfg.expert_clip
+    sonar = _is_sonar(method)
+    if cfg.clip_scope is not None:
+        wanted: tuple[ExpertClip, ...] = {"all": ("global",), "dense": (None,)}[cfg.clip_scope]
+        if sonar and expert_clip not in (None, *wanted):
+            raise ConfigError(
+                f"--clip-scope {cfg.clip_scope} contradicts --expert-clip {expert_clip}: pass one of them",
+                flag="--clip-scope",
+            )
+        if sonar:
+            expert_clip = wanted[0]
+        elif method in METHODS and Method.named(method).clip != cfg.clip_scope:
+            fits = [
+                m for m in ("standard", "standard_no_expert_clip") if Method.named(m).clip == cfg.clip_scope
+            ]
+            raise ConfigError(
+                f"--clip-scope {cfg.clip_scope}: --method {method} clips {Method.named(method).clip} "
+                f"gradients; for this scope use --method {fits[0]}",
+                flag="--clip-scope",
+            )
+    end_of_step = cfg.grad_accum > 1 or (cfg.clip_scope == "all" and cfg.max_grad_norm is not None)
+    if sonar and end_of_step:
+        if method not in ("sonar", "sonar_deferred"):
+            raise ConfigError(
+                f"--method {method} updates experts inside backward: --grad-accum > 1 and --clip-scope all "
+                "need the deferred schedule (--method sonar)",
+                flag="--grad-accum" if cfg.grad_accum > 1 else "--clip-scope",
+            )
+        method = "sonar_deferred"
+    if cfg.grad_accum > 1 and method == "oib_all":
+        raise ConfigError(
+            "--method oib_all updates every tensor inside backward: it cannot accumulate (--grad-accum 1)",
+            flag="--grad-accum",
+        )
+    return dataclasses.replace(cfg, method=method, expert_clip=expert_clip)
 
 
 def _is_sonar(method: str) -> bool:
