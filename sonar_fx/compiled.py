@@ -44,10 +44,7 @@ class CompiledForward:
         self.dynamo_config = dict(dynamo_config or {})
         self.torch_compile_kwargs = torch_compile_kwargs
         self.eager_forward: Callable[..., Any] = type(module).forward
-        owner = next((o for p in module.parameters() if (o := registry.owner_of(p)) is not None), None)
-        schedule = getattr(owner, "schedule", "in_backward")
-        backend = sonar_backend(compiler, fallback=fallback, schedule=schedule)
-        self.compiled = torch.compile(self.eager_forward, backend=backend, **torch_compile_kwargs)
+        self._compiled: Callable[..., Any] | None = None  # built at the first call (see `compiled`)
         self.runs_eagerly = False
         """Run the eager forward: dynamo failed (fallback), or an inner module holds the compiled region."""
         self._owner: Callable[[], SonarOptimizer | None] | None = None  # weak, looked up once
@@ -90,6 +87,17 @@ class CompiledForward:
             if optimizer is not None:
                 record_fallback(optimizer, err)
             return self.eager_forward(module, *args, **kwargs)
+
+    @property
+    def compiled(self) -> Callable[..., Any]:
+        """The forward compiled with the sonar backend of the owner's schedule, built at the first call:
+        a copy being rebuilt (deepcopy, unpickling) has no parameters or owner to ask yet."""
+        if self._compiled is None:
+            optimizer = self._optimizer()
+            schedule = optimizer.schedule if optimizer is not None else "in_backward"
+            backend = sonar_backend(self.compiler, fallback=self.fallback, schedule=schedule)
+            self._compiled = torch.compile(self.eager_forward, backend=backend, **self.torch_compile_kwargs)
+        return self._compiled
 
     def _refuse_second_forward(self, optimizer: SonarOptimizer) -> None:
         """In-backward schedule: a second forward with grad before a backward began would give one step
