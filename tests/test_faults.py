@@ -210,3 +210,34 @@ def test_a_fault_under_reentrant_checkpointing_is_an_interrupted_step():
     assert sorted(err.value.updated) == sorted(f"model.{name}" for name in UPPER)
     model.sonar.abandon_step()
     _step(model, b2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-olmoe"])
+def test_a_full_backward_hook_fault_in_a_transformers_model_is_an_interrupted_step(name):
+    """Issue 30, item 8: a full backward hook on an attention projection (a graph break under dynamo)
+    that raises mid-backward, on the transformers families under aot_eager: the next backward is the
+    InterruptedStepError eager gives, never a false accumulation error."""
+    torch._dynamo.reset()
+    model = build_model(name, seed=0, num_hidden_layers=3)
+    fault = {"on": False}
+
+    def hook(module, grad_input, grad_output):
+        if fault["on"]:
+            raise RuntimeError("injected fault in a full backward hook")
+
+    model.model.layers[1].self_attn.o_proj.register_full_backward_hook(hook)
+    model = sonar_fx.compile(model, CFG, compiler="aot_eager")
+    b0, b1, b2 = batches(3)
+    _step(model, b0)
+    fault["on"] = True
+    with pytest.raises(RuntimeError, match="injected fault"):
+        model(**b1).loss.backward()
+    fault["on"] = False
+    upper = sorted(f"model.layers.{i}.mlp.experts.{t}" for i in (1, 2) for t in ("gate_up_proj", "down_proj"))
+    assert model.sonar.report()["step_in_progress"]["updated"] == upper
+    with pytest.raises(sonar_fx.InterruptedStepError, match=r"abandon_step\(\)") as err:
+        model(**b2).loss.backward()
+    assert sorted(err.value.updated) == upper
+    assert sorted(model.sonar.abandon_step()) == upper
+    _step(model, b2)

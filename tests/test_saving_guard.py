@@ -249,3 +249,54 @@ def test_the_hand_written_expert_hooks_do_sonars_arithmetic():
     clipped_all = build_model("tiny-olmoe", seed=0)
     _train(clipped_all, build_method("standard", clipped_all, CFG).train_step)
     assert weights_differ(by_hand, clipped_all)
+
+
+# ------------------------------------------------------- prepare + the user's own torch.compile
+
+
+def _user_compiled(backend, **prepare_kwargs):
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", seed=0)
+    opt = sonar_fx.prepare(model, CFG, **prepare_kwargs)
+    return model, opt, torch.compile(model, backend=backend)
+
+
+def test_prepare_then_a_plain_torch_compile_warns_once_and_reports_every_gradient_alive():
+    """A graph another backend compiled returns all its expert gradients at once for the hooks: one
+    warning names the cause and the fix, and the meter counts them alive together (the one-layer bound
+    is broken, as it is); training stays exact (hooks)."""
+    _, opt, compiled = _user_compiled("aot_eager", on_saving_lost="warn")
+    with pytest.warns(UserWarning, match=r"backend other than sonar's.*sonar_fx\.compile") as record:
+        for b in batches(2):
+            compiled(**b).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert sum("backend other than sonar's" in str(w.message) for w in record) == 1
+    report = opt.report()
+    grads = report["expert_grad_bytes"]
+    assert grads["measured_peak"] == grads["all_layers"] > grads["one_layer"]
+    assert report["updates_by_hook"] == report["updates_after_graph"] == 2 * 4
+
+
+def test_prepare_then_a_plain_torch_compile_under_raise_refuses_before_any_weight_moves():
+    model, _, compiled = _user_compiled("aot_eager")  # the suite's default: on_saving_lost="raise"
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(SavingLostError, match=r"backend='sonar'") as err:
+        compiled(**batches(1)[0])
+    assert len(err.value.tensors) == 4
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_prepare_then_the_sonar_backend_stays_within_one_layer():
+    _, opt, compiled = _user_compiled(make_sonar_backend("aot_eager"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for b in batches(2):
+            compiled(**b).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    report = opt.report()
+    grads = report["expert_grad_bytes"]
+    assert report["updates_in_graph"] == 2 * 4 and report["updates_by_hook"] == 0
+    assert grads["measured_peak"] <= grads["one_layer"]

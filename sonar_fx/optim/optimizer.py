@@ -212,6 +212,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         """id(param) -> its position in the model's order, for every parameter this optimizer holds."""
         return self._order
 
+    def owns(self, param: Tensor) -> bool:
+        """`param` is one of this optimizer's expert tensors."""
+        return registry.owner_of(param) is self
+
     def expert_name(self, param: Tensor) -> str:
         """The model's name for the expert tensor `param` (one of this optimizer's)."""
         return self._names.get(id(param), f"an expert tensor {tuple(param.shape)}")

@@ -8,7 +8,11 @@ at once: exact, but no memory saved. Two guards:
   (`graph_returns`); it warns once per graph naming the tensors, their producing op and the bytes, or
   raises `SavingLostError` under `on_saving_lost="raise"`;
 - at run time: a model compiled with a compiler whose step updated every expert by hook on an eager
-  forward (its forward was replaced or bypassed, or dynamo skipped the frames) warns once (`end_step`).
+  forward (its forward was replaced or bypassed, or dynamo skipped the frames) warns once (`end_step`);
+- at forward time: a prepared model whose forward ran in a graph that ANOTHER backend compiled (the
+  user's own `torch.compile(model)`) holds expert tensors (`watch_compiled_forward`): every expert
+  gradient of that graph comes back at once for the hooks. Warns once, or raises under "raise" (before
+  its backward, so before any weight moves), and has the meter count them alive together.
 What the meter measured (`sonar_fx.runtime.meter`) is reported beside the bounds (`expert_grad_bytes`).
 This module judges and reports; it never changes where or how an update runs.
 """
@@ -16,6 +20,7 @@ This module judges and reports; it never changes where or how an update runs.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +28,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from sonar_fx.errors import SavingLostError
 from sonar_fx.memory import ExpertGradBytes
-from sonar_fx.runtime.meter import ExpertGradMeter
+from sonar_fx.runtime.meter import ExpertGradMeter, compiled_nodes, meter_node
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from sonar_fx.experts.discovery import ExpertLayer
+    from sonar_fx.optim.optimizer import SonarOptimizer
 
 OnSavingLost = Literal["warn", "raise"]
 ON_SAVING_LOST = ("warn", "raise")
@@ -69,6 +77,7 @@ class SavingGuard:
         """Compiled forwards run (with grad enabled) since the last step."""
         self._after_graph = 0
         self._warned_uncompiled = False
+        self._warned_foreign = False
 
     @property
     def lost_bytes(self) -> int:
@@ -103,6 +112,31 @@ class SavingGuard:
                 [g.name for g in lost],
             )
         warnings.warn(message, stacklevel=3)
+
+    def foreign_graph(self, lost: Sequence[LostGradient]) -> None:
+        """A graph that another backend compiled returns `lost` (it holds their expert tensors): warns
+        once, or raises under "raise"."""
+        if self._warned_foreign and self.on_saving_lost == "warn":
+            return
+        nbytes = sum(g.nbytes for g in lost)
+        shown = ", ".join(g.name for g in lost[:4]) + (" ..." if len(lost) > 4 else "")
+        message = (
+            f"sonar: the prepared model's forward ran in a graph compiled by a backend other than sonar's "
+            f"(torch.compile(model) with its default or another backend), and that graph holds "
+            f"{len(lost)} expert tensor(s): {shown}. Its backward returns all their gradients at once and "
+            f"their hooks update them only after it returns: no memory saved for {nbytes / MiB:.2f} MiB of "
+            "expert gradients (training stays exact). Fix: sonar_fx.compile(model, cfg) instead of "
+            "prepare + torch.compile, or torch.compile(model, backend='sonar'), whose pass updates each "
+            "expert inside the graph."
+        )
+        if self.on_saving_lost == "raise":
+            raise SavingLostError(
+                f"{message} on_saving_lost='raise' refuses to train so (pass on_saving_lost='warn' to train "
+                "without the saving).",
+                [g.name for g in lost],
+            )
+        self._warned_foreign = True
+        warnings.warn(message, stacklevel=4)
 
     def compiled_forward(self) -> None:
         """A compiled forward ran with grad enabled (its backward can update in-graph)."""
@@ -156,6 +190,33 @@ class SavingGuard:
             "saving_lost_tensors": sorted(self.lost),
             "graphs_saving_lost": self.graphs_lost,
         }
+
+
+def watch_compiled_forward(owner: SonarOptimizer, tensors: Sequence[Tensor]) -> None:
+    """After a forward of a model `owner` prepared (not compiled by sonar_fx): find the compiled graphs
+    behind its outputs that hold `owner`'s expert tensors; meter their returned expert gradients, and
+    warn (or raise) when no graph of this model ever came through the sonar backend. Nothing to do
+    where dynamo never compiled a frame in this process (an eager run pays nothing)."""
+    if owner.compiler != "eager" or owner.schedule != "in_backward":
+        return
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is None or not dynamo.counters["frames"]["ok"]:
+        return
+    sonar_graphs = owner.stats.graphs_compiled + owner.stats.graphs_from_cache
+    for node, leaves in compiled_nodes(tensors):
+        experts = [p for p in leaves if owner.owns(p)]
+        if not experts:
+            continue
+        meter_node(node, lambda p: owner.meter if owner.owns(p) else None)
+        if not sonar_graphs:
+            owner.saving.foreign_graph(
+                [
+                    LostGradient(
+                        name=owner.expert_name(p), kind="another backend", nbytes=p.numel() * p.element_size()
+                    )
+                    for p in experts
+                ]
+            )
 
 
 def expert_grad_bytes(meter: ExpertGradMeter, layers: Sequence[ExpertLayer]) -> dict[str, int | None]:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
 from sonar_fx.optim.checks import refuse_fp16_autocast
+from sonar_fx.optim.saving import watch_compiled_forward
 
 Accumulation = Literal["per_microbatch"] | None
 NO_TASK = -1  # what autograd reports outside any backward
@@ -155,6 +156,7 @@ def mark_backward_root(module: nn.Module, args: Any, output: Any) -> None:
     tensors = [t for t in _tensors(output) if t.requires_grad]
     if not tensors:
         return
+    watch_compiled_forward(owner, tensors)  # a graph another backend compiled saves nothing: say so
     # Read now (autocast is a forward-time state), refused when a backward begins: an fp16 forward
     # that never backwards (evaluation without no_grad) trains nothing wrong.
     # The deferred schedule joins the GradScaler's unscale and verdict at step(): fp16 is exact there.

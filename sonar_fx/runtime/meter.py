@@ -8,6 +8,9 @@ can show what it held rather than what a formula predicts. Where each path sees 
   hook, right after the node that computed the gradient, before any other node);
 - a compiled graph that returns expert gradients un-rewritten: all of them when its backward node
   returns (a hook on that node), since every one waits there for its hook; each hook then frees one.
+  The sonar backend wraps such graphs (`meter_returned_grads`); a graph another backend compiled (a
+  prepared model under the user's own `torch.compile`) is found behind the forward's outputs
+  (`compiled_nodes`) and hooked the same way (`meter_node`).
 The hot path is a dict lookup and integer adds: no sync, no tensor op. It never changes a gradient.
 """
 
@@ -92,6 +95,40 @@ def meter_returned_grads(
         return outputs
 
     return run
+
+
+def compiled_nodes(tensors: Sequence[Tensor]) -> list[tuple[Any, list[Tensor]]]:
+    """The compiled autograd functions (`CompiledFunctionBackward`) in the graph behind `tensors`, each
+    with the leaf tensors its backward returns gradients for (its `AccumulateGrad` next functions). A
+    walk of every node: call it only where compiled graphs may be (a graph collapses into one node, so
+    the walk of a compiled model is short)."""
+    found: list[tuple[Any, list[Tensor]]] = []
+    stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen: dict[int, Any] = {}  # id -> node, held so that an id is never reused during the walk
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        nexts = [f for f, _ in node.next_functions if f is not None]
+        if type(node).__name__ == "CompiledFunctionBackward":
+            found.append((node, [f.variable for f in nexts if type(f).__name__ == "AccumulateGrad"]))
+        stack += [f for f in nexts if type(f).__name__ != "AccumulateGrad"]
+    return found
+
+
+def meter_node(node: Any, meter_of: Callable[[Tensor], ExpertGradMeter | None]) -> None:
+    """When the compiled backward `node` returns, count each expert gradient it returned (not None) as
+    alive, together (`returned_by_graph`); a gradient the graph consumed in-graph comes back as None."""
+    leaves = [f.variable if type(f).__name__ == "AccumulateGrad" else None for f, _ in node.next_functions]
+
+    def count(grad_inputs: Sequence[Tensor | None], grad_outputs: Any) -> None:
+        _count(
+            [p for p, g in zip(leaves, grad_inputs, strict=False) if p is not None and g is not None],
+            meter_of,
+        )
+
+    node.register_hook(count)
 
 
 def _count(params: list[Tensor], meter_of: Callable[[Tensor], ExpertGradMeter | None]) -> None:
