@@ -5,6 +5,7 @@ The tolerance is the one the planner is held to (3% of the measured peak, 5% of 
 in practice the plan counts the very same allocations, so it lands within a few hundred bytes.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -413,3 +414,148 @@ def test_deferred_crossover_batch_is_where_the_step_crosses_over():
         assert len(step.crossed_over) == SHAPE["num_hidden_layers"] * len(expected)
     real = _measured_accumulated("sonar_deferred", batch=first)
     assert list(step.crossed_over) == real["crossed"]  # the planned step crossed where the real one did
+
+
+# ---------------------------------------------------------------- device, kernels, GPUs, the norm pass
+
+
+@pytest.mark.parametrize(
+    "nbytes, block",
+    [
+        (0, 0),
+        (1, 512),
+        (513, 1024),
+        (2**20, 2**20),  # small pool: 512-byte multiples
+        (5 * 2**20 + 1, 5 * 2**20 + 512),  # under 10 MiB: a 20 MiB segment, split
+        (10 * 2**20 + 512, 10 * 2**20 + 512),  # 2 MiB - 512 would remain (> 1 MiB): split
+        (11 * 2**20 + 1, 12 * 2**20),  # 1 MiB - 512 would remain: the block is the whole segment
+        (11 * 2**20, 12 * 2**20),  # exactly 1 MiB would remain: not split (remaining > 1 MiB splits)
+        (12 * 2**20, 12 * 2**20),
+    ],
+)
+def test_cuda_blocks_follow_the_caching_allocators_rules(nbytes, block):
+    from sonar_fx.planner.device import cuda_block_bytes
+
+    assert cuda_block_bytes(nbytes) == block
+
+
+@pytest.mark.slow  # two plans of a tiny model: ~12 s on 2 loaded cores
+def test_a_cuda_plan_leaves_out_the_cpu_kernels_scratch():
+    """torchao's compiled CPU update holds a float32 copy of each 8-bit moment and oneDNN takes matmul
+    scratch on AVX-512 hosts: both are CPU kernels', counted by a --device cpu plan only."""
+    from sonar_fx.planner.device import cuda_block_bytes
+    from sonar_fx.planner.fake import lowbit_scratch
+
+    torchao_optim = pytest.importorskip("torchao.optim")
+    mode, tracker = PlanFakeMode(), StepTracker(round_bytes=cuda_block_bytes)
+    with mode:
+        fake = torch.nn.Parameter(torch.empty(4, 16, 256, dtype=torch.bfloat16))
+        state = [torchao_optim.AdamW8bit._subclass_zeros(fake, signed, 256) for signed in (True, False)]
+        grad, step = torch.empty_like(fake), torch.tensor(2.0)
+        tracker.track_step_start(torch.nn.Module(), [], fake, grad, step, *state)
+        start = tracker.bytes_now()
+        with tracker, lowbit_scratch(counted=False):  # as MethodRun.tracked_step(device="cuda") runs it
+            lowbit_update_buffers(fake, grad, step, *state)
+    assert tracker.peak_bytes() == start
+    cpu = sonar_fx.plan("tiny-olmoe", seq=8, methods=["standard"], device="cpu",
+                        opt_cfg=AdamWConfig(state_bits=8, dense_state_bits=8))  # fmt: skip
+    cuda = sonar_fx.plan("tiny-olmoe", seq=8, methods=["standard"], device="cuda",
+                         opt_cfg=AdamWConfig(state_bits=8, dense_state_bits=8))  # fmt: skip
+    largest = max(t.param.numel() for la in discover_experts(build_model("tiny-olmoe")) for t in la.tensors)
+    # The CPU plan holds the scratch (8 bytes per element of the tensor updated) that the CUDA one does not,
+    # although the CUDA plan rounds every storage up to 512 bytes.
+    assert cpu.method("standard").peak_allocated_bytes - cuda.method("standard").peak_allocated_bytes > 0
+    assert cpu.method("standard").categories["temporaries"] >= 8 * largest
+    assert cuda.method("standard").categories["temporaries"] < 8 * largest
+
+
+def test_sonicmoe_scratch_is_the_buffers_its_op_bodies_allocate():
+    from sonar_fx.experts.kernels import sonicmoe  # noqa: F401 (registers the ops)
+    from sonar_fx.planner.device import cuda_block_bytes
+    from sonar_fx.planner.kernels import op_scratch
+
+    s, d, n, e = 4096, 2048, 1024, 64
+    with PlanFakeMode():
+        x, h = torch.empty(512, d, dtype=torch.bfloat16), torch.empty(s, 2 * n, dtype=torch.bfloat16)
+        w_up, w_down = (
+            torch.empty(e, 2 * n, d, dtype=torch.bfloat16),
+            torch.empty(e, d, n, dtype=torch.bfloat16),
+        )
+        routing = [
+            torch.empty(e + 1, dtype=torch.int32),
+            *(torch.empty(s, dtype=torch.int32) for _ in range(3)),
+        ]
+    scratch = op_scratch("sonicmoe", cuda_block_bytes)
+    forward, backward = (
+        torch.ops.sonar_fx.sonicmoe_forward.default,
+        torch.ops.sonar_fx.sonicmoe_backward.default,
+    )
+    assert scratch(forward, (x, None, w_up, w_down, routing), {}) == s * n * 2 + s * d * 2  # a_Sn, y_Sd
+    assert scratch(backward, (x, x, None, w_up, w_down, h, routing), {}) == s * (2 * n + n + d) * 2
+    assert scratch(torch.ops.aten.mm.default, (x, x), {}) == 0
+    assert op_scratch("scattermoe", cuda_block_bytes)(forward, (x, None, w_up, w_down, routing), {}) == 0
+
+
+@pytest.mark.slow  # three plans of a tiny model: ~7 s quiet, ~15 s on 2 loaded cores
+def test_each_kernel_backend_is_planned_from_its_own_forward():
+    """sonic-moe saves the pre-activation h (and recomputes the rest), the torch path also the gathered
+    inputs and each GEMM's input: at Sonar's peak (inside backward) it holds fewer activations."""
+    peaks = {
+        k: sonar_fx.plan("tiny-olmoe", seq=32, methods=["sonar"], kernels=k).method("sonar").categories
+        for k in ("torch", "scattermoe", "sonicmoe")
+    }
+    assert peaks["sonicmoe"]["activations"] < peaks["torch"]["activations"]
+    assert peaks["scattermoe"]["activations"] < peaks["torch"]["activations"]
+    with pytest.raises(PlanError, match="bf16"):
+        sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar"], kernels="sonicmoe", dtype="fp32")
+    with pytest.raises(PlanError, match="choose from"):
+        sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar"], kernels="megablocks")
+
+
+def test_gpu_usable_memory_is_the_total_less_context_and_reserve():
+    from sonar_fx.planner.device import GPUS
+
+    h100 = GPUS["h100-80"]
+    assert h100.total_bytes == 81559 * 2**20
+    assert h100.usable_bytes == int(h100.total_bytes - 2**30 - 0.05 * h100.total_bytes)
+    assert set(GPUS) == {"h100-80", "h200", "a100-80", "a100-40", "l40s", "rtx4090"}
+    assert all(g.usable_bytes < g.total_bytes and g.bf16_tflops > 0 and g.source for g in GPUS.values())
+
+
+@pytest.mark.slow  # two budget searches up to a 24 GB card on a tiny model: ~24 s on 2 loaded cores
+def test_gpu_answers_fits_and_the_largest_batch(capsys):
+    plan = sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar"], gpu="rtx4090", batch=2)
+    (sonar,) = plan.methods
+    assert plan.budget_bytes == plan.gpu.usable_bytes and sonar.fits is True
+    assert sonar.batch_peaks[sonar.max_batch] <= plan.budget_bytes
+    assert sonar.max_batch + 1 in sonar.batch_peaks or sonar.max_batch >= 1 << 16
+    argv = ["plan", "--model", "tiny-olmoe", "--seq", "8", "--methods", "sonar", "--gpu", "rtx4090", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu"]["name"] == "rtx4090" and data["budget_bytes"] == data["gpu"]["usable_bytes"]
+    assert data["methods"][0]["fits"] is True and data["methods"][0]["max_batch"] == sonar.max_batch
+    with pytest.raises(PlanError, match="drop --device cpu"):
+        sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar"], gpu="h200", device="cpu")
+    with pytest.raises(PlanError, match="--budget"):
+        sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar"], gpu="h200", budget="10GB")
+
+
+def test_deferred_global_clip_states_its_extra_weight_gradient_flops():
+    """One more dW GEMM per expert tensor per step: OLMoE-1B-7B at batch 2 x 256 routes 4,096 slots
+    through 16 layers of (2048 x 2048) and (2048 x 1024) GEMMs per expert tensor."""
+    from sonar_fx.planner.device import GPUS
+    from sonar_fx.planner.modes import norm_pass_flops
+
+    layers = discover_experts(model_source("olmoe-1b-7b").build(torch.bfloat16))
+    flops = norm_pass_flops(layers, 8, 2 * 256)
+    assert flops == 16 * 2 * 4096 * (2048 * 2048 + 2048 * 1024)  # 824.6 GFLOP
+    assert GPUS["h100-80"].gemm_ms(flops) == pytest.approx(0.8335, abs=1e-3)
+    crossed = (layers[0].tensors[0].name,)
+    assert norm_pass_flops(layers, 8, 2 * 256, crossed) < flops
+    plan = sonar_fx.plan("tiny-olmoe", seq=8, methods=["sonar_deferred", "sonar_deferred_global_clip"])
+    plan = dataclasses.replace(plan, gpu=GPUS["h200"])
+    plain, clipped = plan.methods
+    assert plain.extra_gemm_flops is None and clipped.extra_gemm_flops > 0
+    tiny = discover_experts(build_model("tiny-olmoe"))
+    assert clipped.extra_gemm_flops == norm_pass_flops(tiny, top_k_of(tiny_config("tiny-olmoe")), 2 * 8)
+    assert plan.extra_gemm_ms(clipped) == pytest.approx(clipped.extra_gemm_flops / 989.4e12 * 1e3)

@@ -149,3 +149,19 @@ def crossover(layers: list[ExpertLayer], top_k: int, *, seq: int, grad_accum: in
         layer_operand_bytes_per_token=per_token, layer_batch=grad / (grad_accum * seq * per_token),
         tensors=tensors, offset_bytes=weights[0].num_experts * OFFSET_BYTES,
     )  # fmt: skip
+
+
+def norm_pass_flops(layers: list[ExpertLayer], top_k: int, tokens: int, crossed: tuple[str, ...] = ()) -> int:
+    """The deferred schedule with the all-parameter clip: the FLOPs of its extra weight-gradient GEMMs
+    per step. Each expert tensor's gradient is computed once for its norm and once more at `step()`
+    for the update; the second is one GEMM dW = dy^T x over every routed slot of the step (`tokens` x
+    top-k, all micro-batches), 2 x slots x in x out FLOPs per (E, out, in) tensor. A tensor that
+    crossed over (`crossed`) keeps its gradient and computes none; a tensor that is not a batched
+    (E, out, in) weight is not counted."""
+    slots = tokens * top_k
+    return sum(
+        2 * slots * t.expert_shape[1] * t.expert_shape[2]
+        for layer in layers
+        for t in layer.tensors
+        if t.role != "bias" and len(t.expert_shape) == 3 and t.name not in crossed
+    )

@@ -22,20 +22,23 @@ import torch
 from sonar_fx.config import AdamWConfig, OptimizerConfig
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.memory import ExpertGradBytes
+from sonar_fx.planner.device import GPU, GPUS
 from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.kernels import KERNELS
 from sonar_fx.planner.models import ModelSource, model_source
-from sonar_fx.planner.modes import Crossover, Semantics, crossover, semantics, top_k_of
+from sonar_fx.planner.modes import Crossover, Semantics, crossover, norm_pass_flops, semantics, top_k_of
 from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory, method_config
 
 DEFAULT_METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-DEVICES = {"cuda": 512, "cpu": 1}
-"""Planned device -> the allocator's block in bytes (CUDA's caching allocator rounds to 512)."""
+DEVICES = ("cuda", "cpu")
+"""Planned devices: "cuda" (the caching allocator's blocks, GPU kernels), "cpu" (exact bytes, the CPU
+kernels' scratch); see `run.MethodRun.tracked_step`."""
 MAX_BATCH = 1 << 16
 """The budget search's ceiling."""
 EXECUTION = (
-    "eager (Sonar: post-accumulate-grad hooks; sonar_deferred: its grouped-GEMM operand capture), "
-    "transformers' default kernels (grouped_mm experts, SDPA)"
+    "eager (Sonar: post-accumulate-grad hooks; sonar_deferred: its grouped-GEMM operand capture), SDPA "
+    "attention, experts: "
 )
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -64,6 +67,13 @@ class MethodPlan:
     """The deferred schedule: the most weight-gradient operand bytes it kept at once in the step."""
     crossed_over: tuple[str, ...] = ()
     """The deferred schedule: expert tensors whose kept operands outgrew their gradient in the step."""
+    kept_whole: tuple[str, ...] = ()
+    """The deferred schedule: expert tensors whose gradient arrived whole, not deferred, in the step."""
+    fits: bool | None = None
+    """With a budget (or a GPU): whether the asked batch's step fits it."""
+    extra_gemm_flops: int | None = None
+    """The deferred schedule with the all-parameter clip: FLOPs of its extra weight-gradient GEMMs per
+    step (`modes.norm_pass_flops`); None for other methods."""
 
     @property
     def transient_bytes(self) -> int:
@@ -92,11 +102,21 @@ class Plan:
     """Where the deferred schedule's kept operands outgrow the expert gradients (None: the router's
     top-k or the expert tensors' layout is unknown)."""
     budget_bytes: int | None = None
+    kernels: str = "torch"
+    """Expert kernels modelled (`kernels.KERNELS`)."""
+    gpu: GPU | None = None
+    """The card planned for (`--gpu`): its usable memory is the budget."""
     seconds: float = 0.0
     """Wall time the plan took."""
     cpu_seconds: float = 0.0
     """CPU time this process spent on it (on a shared machine, the part of `seconds` that was its own)."""
     execution: str = EXECUTION
+
+    def extra_gemm_ms(self, m: MethodPlan) -> float | None:
+        """`m`'s extra weight-gradient GEMMs at the GPU's dense bf16 datasheet rate (a floor), in ms."""
+        if self.gpu is None or m.extra_gemm_flops is None:
+            return None
+        return self.gpu.gemm_ms(m.extra_gemm_flops)
 
     def method(self, name: str) -> MethodPlan:
         for m in self.methods:
@@ -106,18 +126,21 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """One JSON-ready object; per method its name, peak and categories side by side."""
-        skip = ("methods", "expert_grad", "crossover")
+        skip = ("methods", "expert_grad", "crossover", "gpu")
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
         out["expert_grad_bytes"] = self.expert_grad.total
         out["expert_grad_one_layer_bytes"] = self.expert_grad.one_layer
         out["predicted_saving_bytes"] = self.expert_grad.predicted_saving
         out["crossover"] = self.crossover.to_json() if self.crossover is not None else None
+        out["gpu"] = self.gpu.to_json() if self.gpu is not None else None
         out["methods"] = [
             {"method": m.method, "peak_allocated_bytes": m.peak_allocated_bytes, **m.categories,
              "step_start_bytes": m.step_start_bytes, "saving_bytes": m.saving_bytes, "max_batch": m.max_batch,
              "batch_peaks": {str(b): p for b, p in sorted(m.batch_peaks.items())},
              **(dataclasses.asdict(m.semantics) if m.semantics is not None else {}),
-             "kept_operand_bytes": m.kept_operand_bytes, "crossed_over": list(m.crossed_over)}
+             "kept_operand_bytes": m.kept_operand_bytes, "crossed_over": list(m.crossed_over),
+             "kept_whole": list(m.kept_whole), "fits": m.fits,
+             "extra_gemm_flops": m.extra_gemm_flops, "extra_gemm_ms": self.extra_gemm_ms(m)}
             for m in self.methods
         ]  # fmt: skip
         return out
@@ -135,51 +158,82 @@ def plan(
     gradient_checkpointing: bool = False,
     budget: int | str | None = None,
     grad_accum: int = 1,
+    kernels: str = "torch",
+    gpu: str | None = None,
 ) -> Plan:
     """Predict the peak allocated memory of one training step (step 2: optimizer states alive) of
     `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
     "46GiB"), also the largest batch that fits. `grad_accum`: micro-batches of `batch` sequences per
-    step. See the module docstring and docs/plan.md."""
+    step. `kernels`: the expert kernels modelled ("torch", "scattermoe", "sonicmoe"); `gpu`: a card of
+    `device.GPUS`, whose usable memory becomes the budget. See the module docstring and docs/plan.md."""
     started, cpu_started = time.perf_counter(), time.process_time()
     torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
     _check_request(batch, seq, device, methods, cfg, grad_accum)
-    budget_bytes = parse_bytes(budget) if budget is not None else None
+    card = _gpu(gpu, device, budget, kernels)
+    budget_bytes = (
+        card.usable_bytes if card is not None else parse_bytes(budget) if budget is not None else None
+    )
     source = model_source(model_or_config)
     planned, expert_grad, cross = [], None, None
+    layers, top_k = [], None
     for name in methods:
         try:
             run = MethodRun(
                 source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq,
-                grad_accum=grad_accum,
+                grad_accum=grad_accum, kernels=kernels,
             )  # fmt: skip
         except NoExpertsFoundError as err:
             raise PlanError(f"{source.name}: {err}") from err
         if expert_grad is None:
             layers = discover_experts(run.model)
-            expert_grad = ExpertGradBytes.of(layers)
             top_k = _top_k(source)
+            expert_grad = ExpertGradBytes.of(layers)
             cross = crossover(layers, top_k, seq=seq, grad_accum=grad_accum) if top_k is not None else None
         base, fields = PLAN_METHODS[name]
-        meaning = semantics(name, base, method_config(base, cfg, fields))
-        planned.append(_plan_method(run, batch, seq, device, budget_bytes, meaning))
+        method_cfg = method_config(base, cfg, fields)
+        meaning = semantics(name, base, method_cfg)
+        mine = _plan_method(run, batch, seq, device, budget_bytes, meaning)
+        if base == "sonar_deferred" and method_cfg.expert_clip == "global" and top_k:
+            computed = mine.crossed_over + mine.kept_whole  # their gradients are kept: nothing recomputed
+            flops = norm_pass_flops(layers, top_k, batch * seq * grad_accum, computed)
+            mine = dataclasses.replace(mine, extra_gemm_flops=flops)
+        planned.append(mine)
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
     if standard is not None:
         planned = [dataclasses.replace(m, saving_bytes=standard.peak_allocated_bytes - m.peak_allocated_bytes)
                    for m in planned]  # fmt: skip
     if budget_bytes is not None and all(m.max_batch == 0 for m in planned):
-        raise BudgetError(_no_fit(planned, budget_bytes, seq, str(budget)))
+        asked = str(budget) if card is None else f"(the usable memory of a {card.product})"
+        raise BudgetError(_no_fit(planned, budget_bytes, seq, asked))
     return Plan(
         model=source.name, batch=batch, seq=seq, dtype=str(torch_dtype).removeprefix("torch."), device=device,
         gradient_checkpointing=gradient_checkpointing, grad_accum=grad_accum, optimizer=_cfg_fields(cfg),
-        expert_grad=expert_grad, methods=planned, crossover=cross, budget_bytes=budget_bytes,
-        seconds=time.perf_counter() - started,
+        expert_grad=expert_grad, methods=planned, crossover=cross, budget_bytes=budget_bytes, kernels=kernels,
+        gpu=card, execution=EXECUTION + KERNELS[kernels], seconds=time.perf_counter() - started,
         cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
 
 
 class BudgetError(PlanError):
     """No method fits the budget at any batch size."""
+
+
+def _gpu(name: str | None, device: str, budget: int | str | None, kernels: str) -> GPU | None:
+    if kernels not in KERNELS:
+        raise PlanError(f"kernels {kernels!r}: choose from {', '.join(KERNELS)}.")
+    if name is None:
+        return None
+    if name not in GPUS:
+        raise PlanError(f"gpu {name!r}: choose from {', '.join(GPUS)}.")
+    if device != "cuda" or budget is not None:
+        raise PlanError(
+            f"gpu {name!r} plans for that card's memory: drop --device {device} and --budget (the budget is "
+            "its usable memory)."
+            if budget is not None
+            else f"gpu {name!r} plans a CUDA step: drop --device cpu."
+        )
+    return GPUS[name]
 
 
 def _top_k(source: ModelSource) -> int | None:
@@ -193,7 +247,7 @@ def _plan_method(
 
     def step(b: int) -> int:
         if b not in peaks:
-            peaks[b] = run.tracked_step(b, seq, block_bytes=DEVICES[device], cpu=device == "cpu")
+            peaks[b] = run.tracked_step(b, seq, device=device)
         return peaks[b].peak
 
     step(batch)
@@ -205,6 +259,7 @@ def _plan_method(
         method=run.name, peak_allocated_bytes=asked.peak, categories=asked.by_category,
         step_start_bytes=asked.start, max_batch=max_batch, batch_peaks={b: m.peak for b, m in peaks.items()},
         semantics=meaning, kept_operand_bytes=asked.kept_operand_bytes, crossed_over=asked.crossed_over,
+        kept_whole=asked.kept_whole, fits=None if budget is None else asked.peak <= budget,
     )  # fmt: skip
 
 
@@ -286,7 +341,7 @@ def _check_request(
     if batch < 1 or seq < 1 or grad_accum < 1:
         raise PlanError(f"batch={batch}, seq={seq}, grad_accum={grad_accum}: each must be at least 1.")
     if device not in DEVICES:
-        raise PlanError(f"device {device!r}: plan for 'cuda' (512-byte allocator blocks) or 'cpu'.")
+        raise PlanError(f"device {device!r}: plan for 'cuda' (the caching allocator's blocks) or 'cpu'.")
     unknown = [m for m in methods if m not in PLAN_METHODS]
     if unknown or not methods:
         raise PlanError(f"methods {list(methods)!r}: choose from {', '.join(PLAN_METHODS)}.")

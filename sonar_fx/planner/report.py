@@ -17,9 +17,11 @@ from pathlib import Path
 from tabulate import tabulate
 
 from sonar_fx.config import STATE_BITS, AdamWConfig, ConfigFieldError
+from sonar_fx.planner.device import GPUS
 from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.kernels import KERNELS
 from sonar_fx.planner.models import PRESETS
-from sonar_fx.planner.planning import DEFAULT_METHODS, DEVICES, Plan, plan
+from sonar_fx.planner.planning import DEFAULT_METHODS, DEVICES, MethodPlan, Plan, plan
 from sonar_fx.planner.run import PLAN_METHODS
 from sonar_fx.planner.tracker import CATEGORIES
 
@@ -75,9 +77,22 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     )
     add(
         "--device",
-        choices=tuple(DEVICES),
+        choices=DEVICES,
         default="cuda",
-        help="the allocator counted (cuda: 512-byte blocks)",
+        help="the device's allocator and kernels (cuda: the caching allocator's blocks; cpu: exact bytes and "
+        "the CPU kernels' scratch)",
+    )
+    add(
+        "--kernels",
+        choices=tuple(KERNELS),
+        default="torch",
+        help="expert kernels modelled (torch: transformers' default grouped GEMM; scattermoe; sonicmoe)",
+    )
+    add(
+        "--gpu",
+        choices=tuple(GPUS),
+        default=None,
+        help="plan for this card: its usable memory is the budget (fits, largest batch per method)",
     )
     add("--json", action="store_true", help="print one JSON object instead of the table")
     add("--plot", type=Path, default=None, metavar="PNG", help="also write a bar chart of the peaks here")
@@ -91,7 +106,7 @@ def plan_command(args: argparse.Namespace) -> int:
         result = plan(
             args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, opt_cfg=cfg, methods=args.methods,
             device=args.device, gradient_checkpointing=args.gradient_checkpointing, budget=args.budget,
-            grad_accum=args.grad_accum,
+            grad_accum=args.grad_accum, kernels=args.kernels, gpu=args.gpu,
         )  # fmt: skip
     except (PlanError, ConfigFieldError) as err:
         print(f"sonar-fx plan: error: {err}", file=sys.stderr)
@@ -107,7 +122,8 @@ def format_plan(p: Plan) -> str:
     unit, scale = ("GB", 1e9) if max(m.peak_allocated_bytes for m in p.methods) >= 1e9 else ("MB", 1e6)
     predicted = p.expert_grad.predicted_saving
     headers = ["method", f"peak {unit}", *(c.replace("_", " ") for c in CATEGORIES), "saving vs standard",
-               "saving / predicted"] + (["max batch"] if p.budget_bytes is not None else [])  # fmt: skip
+               "saving / predicted"]  # fmt: skip
+    headers += ["fits", "max batch"] if p.budget_bytes is not None else []
     deferred = any(m.kept_operand_bytes is not None for m in p.methods)
     if deferred:
         headers.insert(len(CATEGORIES) + 2, "kept operands")
@@ -128,17 +144,21 @@ def format_plan(p: Plan) -> str:
             else ["-", "-"]
         )
         if p.budget_bytes is not None:
+            row.append("yes" if m.fits else "no")
             row.append(
                 str(m.max_batch) if m.max_batch else f"none (batch 1: {m.batch_peaks[1] / scale:.1f} {unit})"
             )
         rows.append(row)
     bits = p.optimizer.get("state_bits", 32), p.optimizer.get("dense_state_bits", 32)
     budget = f"; budget {p.budget_bytes / scale:.2f} {unit}" if p.budget_bytes is not None else ""
+    if p.gpu is not None:
+        g = p.gpu
+        budget = f"; {g.product}: usable {g.usable_bytes / scale:.2f} {unit} of {g.total_bytes / scale:.2f}"
     accum = f" x {p.grad_accum} micro-batches" if p.grad_accum > 1 else ""
     return "\n".join([
         f"{p.model}: batch {p.batch} x seq {p.seq}{accum}, {p.dtype}, {p.optimizer['optimizer']} "
         f"(expert states {bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "
-        f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}{budget}",
+        f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}, {p.kernels} kernels{budget}",
         tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True),
         "Peak allocated bytes of training step 2 (optimizer states alive), split by what is alive at the "
         f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "
@@ -150,7 +170,36 @@ def format_plan(p: Plan) -> str:
         "",
         format_modes(p, unit, scale),
         *([format_crossover(p)] if p.crossover is not None else []),
+        *([format_gpu(p)] if p.gpu is not None else []),
+        *(format_norm_pass(p, m) for m in p.methods if m.extra_gemm_flops is not None),
     ])  # fmt: skip
+
+
+def format_gpu(p: Plan) -> str:
+    """What `--gpu` assumed of the card."""
+    g = p.gpu
+    assert g is not None
+    return (
+        f"{g.product}: {g.total_bytes / 1e9:.2f} GB; usable {g.usable_bytes / 1e9:.2f} GB = total less 1 GiB "
+        "(CUDA context, library workspaces) less 5% (the caching allocator's reserve beyond the allocated "
+        "peak). fits: the asked batch's peak is within it; max batch: the largest that is."
+    )
+
+
+def format_norm_pass(p: Plan, m: MethodPlan) -> str:
+    """The deferred all-parameter clip's extra weight-gradient GEMMs, and their time on `--gpu`."""
+    assert m.extra_gemm_flops is not None
+    ms = p.extra_gemm_ms(m)
+    time = (
+        f", {ms:.2f} ms per step on a {p.gpu.product} at its {p.gpu.bf16_tflops:g} dense bf16 TFLOPS "
+        f"({p.gpu.source}; a floor: grouped GEMMs run below peak)"
+        if ms is not None and p.gpu is not None
+        else " (--gpu gives its time)"
+    )
+    return (
+        f"{m.method}: one more weight-gradient GEMM per expert tensor per step (2 x routed slots x in x out "
+        f"each, summed) = {m.extra_gemm_flops / 1e9:.1f} GFLOP{time}."
+    )
 
 
 def format_modes(p: Plan, unit: str, scale: float) -> str:

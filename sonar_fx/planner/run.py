@@ -25,7 +25,9 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.optimizer import SonarOptimizer
-from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, real_step_paths
+from sonar_fx.planner.device import cuda_block_bytes, exact_bytes
+from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, lowbit_scratch, real_step_paths
+from sonar_fx.planner.kernels import op_scratch, select_kernels
 from sonar_fx.planner.models import ModelSource
 from sonar_fx.planner.scratch import cpu_kernel_scratch
 from sonar_fx.planner.tracker import StepTracker
@@ -61,6 +63,9 @@ class StepMemory:
     storage bytes, not rounded to allocator blocks); None for other methods."""
     crossed_over: tuple[str, ...] = ()
     """The deferred schedule: expert tensors whose kept operands outgrew their gradient in this step."""
+    kept_whole: tuple[str, ...] = ()
+    """The deferred schedule: expert tensors whose gradient arrived whole, not deferred (an expert kernel
+    whose weight-gradient op the eager capture does not know)."""
 
 
 class MethodRun:
@@ -76,15 +81,18 @@ class MethodRun:
         gradient_checkpointing: bool,
         seq: int,
         grad_accum: int = 1,
+        kernels: str = "torch",
     ) -> None:
         self.mode = PlanFakeMode()
         self.name = method
         self.grad_accum = grad_accum
+        self.kernels = kernels
         self.vocab = _vocab_size(source)
         model = source.build(dtype)
         if gradient_checkpointing:
             enable_checkpointing(model, source.name)
         self.model = fake_parameters(model, self.mode)
+        select_kernels(self.model, kernels, dtype)
         base, fields = PLAN_METHODS[method]
         config = method_config(base, cfg, fields)
         kwargs = accumulation_kwargs(method, base, config, grad_accum)
@@ -92,15 +100,24 @@ class MethodRun:
             self.method: TrainingMethod = build_method(base, self.model, config, **kwargs)
             self.method.train_step(self._micro_batches(1, seq))  # creates the optimizer states
 
-    def tracked_step(self, batch: int, seq: int, *, block_bytes: int, cpu: bool = False) -> StepMemory:
+    def tracked_step(self, batch: int, seq: int, *, device: str = "cuda") -> StepMemory:
         """Run one training step of `grad_accum` micro-batches of (batch, seq) tokens and account its
-        memory; `cpu`: a CPU plan, which counts the scratch this host's CPU kernels take (see `scratch`)."""
+        memory as `device`'s allocator and kernels would: "cuda" rounds each storage to the caching
+        allocator's blocks (`device.cuda_block_bytes`); "cpu" counts exact bytes, the scratch this host's
+        CPU matmul kernels take (see `scratch`) and that of torchao's compiled CPU update (see `fake`)."""
         deferred = self._deferred()
         if deferred is not None:
             deferred.crossed.clear()  # what crossed over in this step (the planner's copy of the report)
-        with self._planning():
+        cpu = device == "cpu"
+        round_bytes = exact_bytes if cpu else cuda_block_bytes
+        backend = op_scratch(self.kernels, round_bytes)
+
+        def scratch(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+            return backend(func, args, kwargs) + (cpu_kernel_scratch(func, args, kwargs) if cpu else 0)
+
+        with self._planning(), lowbit_scratch(counted=cpu):
             micro = self._micro_batches(batch, seq)
-            tracker = StepTracker(block_bytes=block_bytes, scratch=cpu_kernel_scratch if cpu else None)
+            tracker = StepTracker(round_bytes=None if cpu else round_bytes, scratch=scratch)
             tracker.track_step_start(
                 self.model, self.method.optimizers, *(t for b in micro for t in b.values())
             )
@@ -111,6 +128,7 @@ class MethodRun:
             peak=tracker.peak_bytes(), start=start, by_category=tracker.peak_by_category(),
             kept_operand_bytes=None if deferred is None else deferred.last_peak_bytes,
             crossed_over=() if deferred is None else tuple(sorted(deferred.crossed)),
+            kept_whole=() if deferred is None else tuple(sorted(deferred.whole)),
         )  # fmt: skip
 
     def _deferred(self) -> DeferredGrads | None:

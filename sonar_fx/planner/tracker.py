@@ -4,11 +4,12 @@ torch's `torch.distributed._tools.mem_tracker.MemTracker` (a dispatch mode) sees
 creates, learns of every free through a weak reference to its storage, and files each byte under
 parameters, buffers, gradients, activations, temporaries or optimizer states. `StepTracker` keeps that
 accounting and changes five things for a step planned on fake CPU tensors:
-- the device's allocator: CUDA's caching allocator hands out blocks of 512 bytes, so each storage is
-  counted rounded up to `block_bytes` (1 for a CPU plan);
-- kernel scratch: a fake op allocates only its outputs; for a CPU plan, the scratch a real CPU kernel
-  allocates and frees inside the op (`scratch.cpu_kernel_scratch`: oneDNN's, on AVX-512 hosts) is
-  counted as temporaries for the op's duration, on top of what is alive then;
+- the device's allocator: each storage is counted as `round_bytes` says the target's allocator hands
+  it out (`device.cuda_block_bytes`: CUDA's caching allocator's blocks; exact bytes for a CPU plan);
+- kernel scratch: a fake op allocates only its outputs; what a real kernel allocates and frees inside
+  the op (`scratch.cpu_kernel_scratch`: oneDNN's, on AVX-512 hosts, for a CPU plan; `kernels.op_scratch`:
+  the buffers of sonic-moe's op bodies) is counted as temporaries for the op's duration, on top of
+  what is alive then;
 - the peak: only the whole step's peak snapshot is kept (torch's per-module peaks cost a scan of
   every module per op: a real-size model's step took 4x longer and the plan uses none of them);
 - categories: optimizer states exist before the step (they are tracked at its start), so what
@@ -22,7 +23,6 @@ tests. Never: change what the step allocates or frees.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +47,14 @@ class StepTracker(MemTracker):
     """`MemTracker` for one planned step (see the module docstring)."""
 
     def __init__(
-        self, *, block_bytes: int = 1, scratch: Callable[[Any, Any, dict[str, Any]], int] | None = None
+        self,
+        *,
+        round_bytes: Callable[[int], int] | None = None,
+        scratch: Callable[[Any, Any, dict[str, Any]], int] | None = None,
     ) -> None:
         super().__init__()
-        self.block_bytes = block_bytes
+        self.round_bytes = round_bytes
+        """Bytes the target's allocator hands out for a request (None: the bytes asked for)."""
         self.scratch = scratch
         """Bytes an op's kernel allocates inside the op beyond its outputs (None: none are counted)."""
 
@@ -101,11 +105,9 @@ class StepTracker(MemTracker):
     def _update_snap(
         self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None
     ) -> None:
-        if self.block_bytes > 1 and u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+        if self.round_bytes is not None and u_type in (_UpdateType.ADD, _UpdateType.SIZE):
             # Counted as the allocator hands it out; a resize re-rounds the new size.
-            winfo.mem_consumed = (
-                math.ceil(winfo.size * winfo.element_size / self.block_bytes) * self.block_bytes
-            )
+            winfo.mem_consumed = self.round_bytes(winfo.size * winfo.element_size)
         super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:

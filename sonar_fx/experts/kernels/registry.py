@@ -96,11 +96,14 @@ def experts_forward(
     return spec.forward(hidden_Td, top_k_index_Tk, top_k_weights_Tk, w_up_E2nd, w_down_Edn, layout, glu)
 
 
-def use_kernel_backend(model: nn.Module, name: str) -> nn.Module:
-    """Make `model` compute its experts with backend `name`; returns the model (changed in place)."""
+def use_kernel_backend(model: nn.Module, name: str, *, check_device: bool = True) -> nn.Module:
+    """Make `model` compute its experts with backend `name`; returns the model (changed in place).
+    `check_device=False` skips the check that the backend runs where the model lives (package, device,
+    dtype): for `sonar_fx.plan`, whose fake CPU model stands for a GPU one; the layouts are checked."""
     spec = get_backend(name)
-    param = next(model.parameters())
-    spec.check(param.device, param.dtype)
+    if check_device:
+        param = next(model.parameters())
+        spec.check(param.device, param.dtype)
     for layout, glu in expert_layouts(model):
         spec.check_layout(layout, glu)
     if hasattr(model, "set_experts_implementation"):
