@@ -279,10 +279,13 @@ def test_prepare_then_a_plain_torch_compile_warns_once_and_reports_every_gradien
 
 
 def test_prepare_then_a_plain_torch_compile_under_raise_refuses_before_any_weight_moves():
+    """Refused when the foreign graph's backward returns the expert gradients (a graph whose
+    partition rewrote them returns None and is not refused), before any hook updates a weight."""
     model, _, compiled = _user_compiled("aot_eager")  # the suite's default: on_saving_lost="raise"
     before = copy.deepcopy(model.state_dict())
+    loss = compiled(**batches(1)[0]).loss
     with pytest.raises(SavingLostError, match=r"backend='sonar'") as err:
-        compiled(**batches(1)[0])
+        loss.backward()  # as the graph's backward returns its expert gradients, before any hook runs
     assert len(err.value.tensors) == 4
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

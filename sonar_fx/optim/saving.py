@@ -24,7 +24,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from sonar_fx.errors import SavingLostError
 from sonar_fx.memory import ExpertGradBytes
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from sonar_fx.experts.discovery import ExpertLayer
-    from sonar_fx.optim.optimizer import SonarOptimizer
+    from sonar_fx.optim.stats import SonarStats
 
 OnSavingLost = Literal["warn", "raise"]
 ON_SAVING_LOST = ("warn", "raise")
@@ -192,31 +192,47 @@ class SavingGuard:
         }
 
 
-def watch_compiled_forward(owner: SonarOptimizer, tensors: Sequence[Tensor]) -> None:
+class _Owner(Protocol):
+    """What `watch_compiled_forward` reads of `SonarOptimizer` (which imports this module)."""
+
+    compiler: str
+    schedule: str
+    stats: SonarStats
+    meter: ExpertGradMeter
+    saving: SavingGuard
+
+    def owns(self, param: Tensor) -> bool: ...
+
+    def expert_name(self, param: Tensor) -> str: ...
+
+
+def watch_compiled_forward(owner: _Owner, tensors: Sequence[Tensor]) -> None:
     """After a forward of a model `owner` prepared (not compiled by sonar_fx): find the compiled graphs
-    behind its outputs that hold `owner`'s expert tensors; meter their returned expert gradients, and
-    warn (or raise) when no graph of this model ever came through the sonar backend. Nothing to do
-    where dynamo never compiled a frame in this process (an eager run pays nothing)."""
+    behind its outputs that hold `owner`'s expert tensors; meter the expert gradients their backward
+    returns, and warn (or raise, before any hook updates them) when such a graph returns expert
+    gradients and no graph of this model ever came through the sonar backend. Nothing to do where
+    dynamo never compiled a frame in this process (an eager run pays nothing)."""
     if owner.compiler != "eager" or owner.schedule != "in_backward":
         return
     dynamo = sys.modules.get("torch._dynamo.utils")
     if dynamo is None or not dynamo.counters["frames"]["ok"]:
         return
-    sonar_graphs = owner.stats.graphs_compiled + owner.stats.graphs_from_cache
-    for node, leaves in compiled_nodes(tensors):
-        experts = [p for p in leaves if owner.owns(p)]
-        if not experts:
-            continue
-        meter_node(node, lambda p: owner.meter if owner.owns(p) else None)
-        if not sonar_graphs:
+
+    def lost(params: list[Tensor]) -> None:
+        # Only a graph no sonar backend made: the sonar backend reports its own leftovers (graph_returns).
+        if owner.stats.graphs_compiled + owner.stats.graphs_from_cache == 0:
             owner.saving.foreign_graph(
                 [
                     LostGradient(
                         name=owner.expert_name(p), kind="another backend", nbytes=p.numel() * p.element_size()
                     )
-                    for p in experts
+                    for p in params
                 ]
             )
+
+    for node, leaves in compiled_nodes(tensors):
+        if any(owner.owns(p) for p in leaves):
+            meter_node(node, lambda p: owner.meter if owner.owns(p) else None, lost)
 
 
 def expert_grad_bytes(meter: ExpertGradMeter, layers: Sequence[ExpertLayer]) -> dict[str, int | None]:

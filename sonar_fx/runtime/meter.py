@@ -117,16 +117,22 @@ def compiled_nodes(tensors: Sequence[Tensor]) -> list[tuple[Any, list[Tensor]]]:
     return found
 
 
-def meter_node(node: Any, meter_of: Callable[[Tensor], ExpertGradMeter | None]) -> None:
+def meter_node(
+    node: Any,
+    meter_of: Callable[[Tensor], ExpertGradMeter | None],
+    on_returned: Callable[[list[Tensor]], None] | None = None,
+) -> None:
     """When the compiled backward `node` returns, count each expert gradient it returned (not None) as
-    alive, together (`returned_by_graph`); a gradient the graph consumed in-graph comes back as None."""
+    alive, together (`returned_by_graph`); a gradient the graph consumed in-graph comes back as None.
+    `on_returned` is then told which expert parameters got a gradient back (before any of their hooks)."""
     leaves = [f.variable if type(f).__name__ == "AccumulateGrad" else None for f, _ in node.next_functions]
 
     def count(grad_inputs: Sequence[Tensor | None], grad_outputs: Any) -> None:
-        _count(
-            [p for p, g in zip(leaves, grad_inputs, strict=False) if p is not None and g is not None],
-            meter_of,
-        )
+        returned = [p for p, g in zip(leaves, grad_inputs, strict=False) if p is not None and g is not None]
+        _count(returned, meter_of)
+        experts = [p for p in returned if meter_of(p) is not None]
+        if on_returned is not None and experts:
+            on_returned(experts)
 
     node.register_hook(count)
 
