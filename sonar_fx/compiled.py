@@ -110,12 +110,12 @@ class CompiledForward:
         if self._forward_at == began:
             self._forward_at = None  # told once: the forward after this one starts afresh
             raise SonarUsageError(
-                "the compiled model ran a second forward with gradients before any backward (two losses "
-                "backpropagated together, as DPO's chosen and rejected): the in-backward schedule updates "
-                "the experts in each compiled graph's backward, so one step would update them twice. Use "
-                "schedule='deferred' (exact: each forward's operands are kept until step()), run both "
-                "batches in one forward (torch.cat), or compiler='eager'. A forward you do not "
-                "backpropagate belongs under torch.no_grad()."
+                "a compiled module ran a second forward with gradients before any backward (two losses "
+                "backpropagated together, as DPO's chosen and rejected, or a compiled block that runs twice "
+                "in one forward): the in-backward schedule updates the experts in each compiled graph's "
+                "backward, so one step would update them twice. Use schedule='deferred' (exact: each "
+                "forward's operands are kept until step()), run both batches in one forward (torch.cat), "
+                "or compiler='eager'. A forward you do not backpropagate belongs under torch.no_grad()."
             )
         self._forward_at = began
 

@@ -78,14 +78,17 @@ def test_cast_before_the_first_step_trains_in_the_new_dtype():
 
 
 def test_block_running_twice_per_forward_fails_loudly_never_silently():
-    """One block called twice per forward, compiled per block: the second call's backward graph updates
-    the weight that the first call's backward still needs; autograd's version counter refuses it."""
+    """One block called twice per forward, compiled per block: the second call's backward graph would
+    update the weight that the first call's backward still needs. Refused at the block's second
+    forward, before any weight moves (the compiled in-backward schedule runs one forward per backward)."""
     torch._dynamo.reset()
     model = build_model("tiny-reference", seed=0, num_layers=1)
     model.layers.append(model.layers[0])  # the same block twice: weights shared across depth
     sonar_fx.compile(model, CFG, compiler="aot_eager", regional=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(sonar_fx.SonarUsageError, match="runs twice in one forward"):
         model(**batches(1)[0]).loss.backward()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def _update_in_backward(opt, param, times):
