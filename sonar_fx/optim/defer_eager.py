@@ -69,10 +69,12 @@ def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tenso
     if not y.requires_grad:
         return None  # nothing upstream needs a gradient: dy would never come; let autograd do it
     recipe = _RECIPES[transposed]
+    # Detached before the hook closes over it: neither the kept operand nor the hook (which may outlive
+    # the backward) holds the autograd graph upstream of x alive.
+    x_t = x.detach().t()
 
     def keep(dy: Tensor) -> None:
-        # x detached: the kept operand must not hold the autograd graph upstream of it alive.
-        owner.defer_expert_(param, recipe, [x.detach().t(), dy, offs])
+        owner.defer_expert_(param, recipe, [x_t, dy, offs])
 
     y.register_hook(keep)
     return y
