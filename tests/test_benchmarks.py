@@ -196,8 +196,19 @@ def _fake_report(tmp_path, value: str, script: str = "methods") -> None:
         config={},
         tables=[Table(title="micro: a tiny shape", headers=headers, rows=rows, note="a note")],
         goals=[Goal(name="g", target="t", measured=value, status="met")],
+        records=[  # what the README headline reads: resident + step peak, and the per-round step times
+            _record("standard · compiled", resident=300, peak=200, steps=[1.0, 1.0]),
+            _record("standard_no_expert_clip · compiled", resident=300, peak=200, steps=[0.9, 1.0]),
+            _record("sonar · compiled pass", resident=300, peak=float(value), steps=[0.45, 0.5]),
+        ],
     )
     common.emit(report, tmp_path / "results" / script)
+
+
+def _record(label: str, *, resident: float, peak: float, steps: list[float]) -> dict:
+    mib = 2**20
+    bytes_ = {"resident_bytes": int(resident * mib), "peak_bytes": int(peak * mib)}
+    return dict(shape="micro", label=label, step_s=steps, **bytes_)
 
 
 def test_docs_results_and_readme_headline_are_generated_between_markers_only(tmp_path):
@@ -227,8 +238,11 @@ def test_docs_results_and_readme_headline_are_generated_between_markers_only(tmp
     text = readme_md.read_text()
     assert text.startswith("# project\n\nhand-written text\n")
     headline = text.split(readme.HEADLINE_START)[1].split(readme.HEADLINE_END)[0]
-    assert "| micro | sonar · compiled pass | 12.5 | - | 0.70x |" in " ".join(headline.split())
-    assert "standard · compiled" not in headline and "step ms" not in headline  # the chosen cells only
+    # Peak allocated (resident + step) and the step transient against the twin; × twin and × standard.
+    row = "| micro | sonar · compiled pass | 312.5 vs 500.0 (-37.5%) | 12.5 vs 200.0 (-93.8%) | 0.50x"
+    assert row in " ".join(headline.split()), headline
+    assert "| 0.47x [0.46-0.49] |" in " ".join(headline.split())  # against standard: paired per round
+    assert "| standard · compiled |" not in headline  # Sonar's arms only
     assert "python -m benchmarks.methods --quick" in headline
     assert readme.main([*args, "--check"]) == 0  # idempotent: a second run changes nothing
     _fake_report(tmp_path, "99.9")  # new measurements: both files are now stale

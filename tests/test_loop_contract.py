@@ -215,7 +215,9 @@ def test_second_backward_through_a_retained_graph_is_refused_before_any_update(c
 def test_sonar_backend_on_an_unprepared_model_warns_once(monkeypatch):
     torch._dynamo.reset()  # its caches hold earlier tests' models, and so their optimizers' bindings
     gc.collect()
-    assert not registry.bound(), "a Sonar optimizer of an earlier test is still alive"
+    # The warning's precondition is that no Sonar optimizer is alive in the process; another test on
+    # this worker (a Trainer that keeps its optimizer in a library-wide object) may still hold one.
+    monkeypatch.setattr(registry, "bound", lambda: [])
     monkeypatch.setattr(backend, "_warned_unprepared", False)
     model = build_model("tiny-reference", seed=0)
     compiled = torch.compile(model, backend=sonar_backend("aot_eager"))
