@@ -35,11 +35,10 @@ from torch.fx import GraphModule, Node
 
 from sonar_fx.passes.find_expert_grads import find_expert_grads
 from sonar_fx.passes.graph_utils import node_order
-from sonar_fx.passes.insert_updates import last_reader
+from sonar_fx.passes.insert_updates import META_KEYS, last_reader, registered_op
 from sonar_fx.passes.recipe import NotRerunnable, build_recipe
 
 DEFER_OP_NAME = "sonar_fx::expert_defer_"
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
 
 
 def expert_defer_pass(
@@ -75,7 +74,7 @@ def expert_defer_pass(
             node = bw_gm.graph.call_function(
                 defer_op(), (token, operands, list(eg.aliases), recipe.to_json(), own_operands)
             )
-        node.meta = {k: eg.producer.meta[k] for k in _META_KEYS if k in eg.producer.meta}
+        node.meta = {k: eg.producer.meta[k] for k in META_KEYS if k in eg.producer.meta}
         node.meta["val"] = None
         returned[eg.input_index] = None
         inserted.append((eg.input_index, eg.kind))
@@ -121,9 +120,5 @@ def _erase_unused_chain(grad: Node, producer: Node) -> None:
 
 
 def defer_op() -> torch._ops.OpOverload:
-    """The defer op, by name: registered by `sonar_fx.runtime`, which this package never imports."""
-    namespace, name = DEFER_OP_NAME.split("::")
-    try:
-        return getattr(getattr(torch.ops, namespace), name).default
-    except AttributeError:
-        raise RuntimeError(f"{DEFER_OP_NAME} is not registered: import sonar_fx.runtime first.") from None
+    """The defer op: registered by `sonar_fx.runtime`, which this package never imports."""
+    return registered_op(DEFER_OP_NAME)

@@ -39,7 +39,7 @@ from sonar_fx.passes.graph_utils import node_order
 from sonar_fx.passes.reduce_grads import GraphReduce, insert_all_reduce, insert_wait, wait_anchor
 
 UPDATE_OP_NAME = "sonar_fx::expert_update_"
-_META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
+META_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "original_aten")
 
 
 def expert_update_pass(
@@ -108,15 +108,20 @@ def insert_update(
     args: tuple[Any, ...] = (grad or eg.grad, list(aliases), *((reduced,) if reduced else ()))
     with graph.inserting_after(anchor):
         update = graph.call_function(update_op(), args)
-    update.meta = {k: eg.producer.meta[k] for k in _META_KEYS if k in eg.producer.meta}
+    update.meta = {k: eg.producer.meta[k] for k in META_KEYS if k in eg.producer.meta}
     update.meta["val"] = None
     return update
 
 
 def update_op() -> torch._ops.OpOverload:
-    """The update op, by name: it is registered by `sonar_fx.runtime`, which this package never imports."""
-    namespace, name = UPDATE_OP_NAME.split("::")
+    """The update op: registered by `sonar_fx.runtime`, which this package never imports."""
+    return registered_op(UPDATE_OP_NAME)
+
+
+def registered_op(qualified: str) -> torch._ops.OpOverload:
+    """The default overload of the op `qualified` ("namespace::name"), looked up by name."""
+    namespace, name = qualified.split("::")
     try:
         return getattr(getattr(torch.ops, namespace), name).default
     except AttributeError:
-        raise RuntimeError(f"{UPDATE_OP_NAME} is not registered: import sonar_fx.runtime first.") from None
+        raise RuntimeError(f"{qualified} is not registered: import sonar_fx.runtime first.") from None

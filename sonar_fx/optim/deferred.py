@@ -31,8 +31,8 @@ from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
 from sonar_fx.passes.recipe import Recipe
-from sonar_fx.runtime.defer_op import same_storage, storage_key
 from sonar_fx.runtime.meter import ExpertGradMeter
+from sonar_fx.runtime.registry import same_storage, storage_key
 
 
 @dataclass(frozen=True)

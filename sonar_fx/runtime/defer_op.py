@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
-from sonar_fx.runtime.registry import resolve
+from sonar_fx.runtime.registry import resolve, same_storage
 
 
 @torch.library.custom_op(
@@ -40,17 +39,6 @@ def _expert_defer_fake(
     token: Tensor, operands: list[Tensor], param_aliases: list[Tensor], recipe: str, own: bool
 ) -> None:
     return None
-
-
-def same_storage(param: Tensor, t: Tensor) -> bool:
-    return t.device == param.device and storage_key(t) == storage_key(param)
-
-
-def storage_key(t: Tensor) -> int:
-    """Which storage `t` lives in: its address, or for a fake tensor (`sonar_fx.plan` runs this step on
-    them, and every fake storage's address is 0) the storage object's identity."""
-    storage = t.untyped_storage()
-    return int(storage._cdata) if is_fake(t) else storage.data_ptr()
 
 
 def owned_copy(t: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from sonar_fx.runtime.meter import ExpertGradMeter
 
@@ -74,7 +75,7 @@ def resolve(alias: Tensor) -> tuple[Tensor, ExpertOwner]:
         return root, owner
     for binding in list(_bindings.values()):  # a saved alias that is not a view object of the param
         param, owner = binding.param(), binding.owner()
-        if param is not None and owner is not None and _same_storage(param, alias):
+        if param is not None and owner is not None and same_storage(param, alias):
             return param, owner
     raise UnboundExpertError(
         f"a compiled backward graph produced the gradient of an expert tensor {tuple(alias.shape)} "
@@ -85,10 +86,18 @@ def resolve(alias: Tensor) -> tuple[Tensor, ExpertOwner]:
     )
 
 
-def _same_storage(param: Tensor, alias: Tensor) -> bool:
-    if param.device != alias.device or param.device.type == "meta":
+def same_storage(a: Tensor, b: Tensor) -> bool:
+    """`a` and `b` live in one storage (never for meta tensors, which have none)."""
+    if a.device != b.device or a.device.type == "meta":
         return False
-    return param.untyped_storage().data_ptr() == alias.untyped_storage().data_ptr()
+    return storage_key(a) == storage_key(b)
+
+
+def storage_key(t: Tensor) -> int:
+    """Which storage `t` lives in: its address, or for a fake tensor (`sonar_fx.plan` runs the deferred
+    step on them, and every fake storage's address is 0) the storage object's identity."""
+    storage = t.untyped_storage()
+    return int(storage._cdata) if is_fake(t) else storage.data_ptr()
 
 
 def bound_count() -> int:
