@@ -3,7 +3,7 @@
 torch's `torch.distributed._tools.mem_tracker.MemTracker` (a dispatch mode) sees every tensor the step
 creates, learns of every free through a weak reference to its storage, and files each byte under
 parameters, buffers, gradients, activations, temporaries or optimizer states. `StepTracker` keeps that
-accounting and changes five things for a step planned on fake CPU tensors:
+accounting and changes six things for a step planned on fake CPU tensors:
 - the device's allocator: each storage is counted as `round_bytes` says the target's allocator hands
   it out (`device.cuda_block_bytes`: CUDA's caching allocator's blocks; exact bytes for a CPU plan);
 - kernel scratch: a fake op allocates only its outputs; what a real kernel allocates and frees inside
@@ -16,19 +16,30 @@ accounting and changes five things for a step planned on fake CPU tensors:
   `optimizer.step()` newly allocates is the step's scratch (temporaries, not states), as is what is
   allocated outside forward and backward (gradient clipping's norms);
 - a second forward of the model in one step (expert_clip="global" runs forward and backward twice) is
-  part of the same step, not a new iteration (torch's tracker refuses it).
+  part of the same step, not a new iteration (torch's tracker refuses it);
+- the graph's lifetime: torch's module tracker (`ModTracker`) hooks each module's inputs with a
+  multi-grad hook that holds their autograd nodes and is stored on those nodes: a reference cycle, so
+  the step's graph outlives its backward (until garbage collections, which free it in part or not at
+  all), and with it every tensor a hook on it holds. The deferred schedule's capture holds the GEMM
+  input and offsets it keeps in such a hook: a real step frees them as `step()` consumes them, the
+  tracked step kept them to its end (one layer's worth above the real peak, tiny OLMoE with 4
+  micro-batches). Each such hook is removed when the backward it fired in ends
+  (`_graph_hooks_released`), and reference counting frees the graph as in a real step.
 MemTracker is private to torch; these overrides follow torch 2.13's and are tested by the planner's
 tests. Never: change what the step allocates or frees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.utils.hooks import RemovableHandle
 
 CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
 """How a plan splits bytes, in table order."""
@@ -57,6 +68,18 @@ class StepTracker(MemTracker):
         """Bytes the target's allocator hands out for a request (None: the bytes asked for)."""
         self.scratch = scratch
         """Bytes an op's kernel allocates inside the op beyond its outputs (None: none are counted)."""
+        self._released = contextlib.ExitStack()
+
+    def __enter__(self) -> StepTracker:
+        self._released.enter_context(_graph_hooks_released())
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            self._released.close()
 
     def track_step_start(
         self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *tensors: Any
@@ -126,3 +149,30 @@ class StepTracker(MemTracker):
         if module in self.memory_tracking and root and not self._mod_tracker.is_bw:
             self.memory_tracking.clear()  # the step's second forward; per-module stats are not used
         super()._pre_fw_hook(module, inputs)
+
+
+@contextlib.contextmanager
+def _graph_hooks_released() -> Iterator[None]:
+    """`ModTracker`'s multi-grad hooks, each removed when the backward it fired in ends (and any left
+    when the tracker exits): removed, a hook no longer holds its nodes, so the graph is freed when the
+    step lets go of it, as in a real step. A hook fires once per backward of its graph; the module
+    tracker registers none in backward, so none is removed before it has done its work."""
+    register = mod_tracker.register_multi_grad_hook
+    handles: list[RemovableHandle] = []
+
+    def released(tensors: Any, fn: Callable[..., None], **kwargs: Any) -> RemovableHandle:
+        def fired(*args: Any) -> None:
+            fn(*args)
+            torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
+
+        handle = register(tensors, fired, **kwargs)
+        handles.append(handle)
+        return handle
+
+    mod_tracker.register_multi_grad_hook = released
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = register
+        for handle in handles:
+            handle.remove()
