@@ -339,3 +339,36 @@ def test_models_of_one_class_with_both_schedules_in_one_process():
         assert_same_weights(model, twin_model)
         assert_same_weights(plain, plain_twin)
         assert opt.report()["updates_deferred"] == 12 and plain.sonar.report()["updates_in_graph"] == 12
+
+
+def test_cast_after_training_started_is_refused_before_any_weight_moves():
+    """The in-backward schedule's check (tests/test_runtime_lifetimes.py), at the deferred step(): the
+    state made in fp32, the model cast to bf16, is refused before the dense step or any expert moves."""
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler="eager", schedule="deferred")
+    b0, b1 = batches(2)
+    model(**b0).loss.backward()
+    model.sonar.step()
+    model.sonar.zero_grad()
+    model.to(torch.bfloat16)
+    model(**b1).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(SonarUsageError, match=r"cast or moved .*model\.half\(\), model\.to"):
+        model.sonar.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # Control: cast before the first step, the same step trains (the state is made in bf16).
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler="eager", schedule="deferred")
+    model.to(torch.bfloat16)
+    model(**b1).loss.backward()
+    before = [p.detach().clone() for p in model.sonar.expert_group["params"]]
+    model.sonar.step()
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.sonar.expert_group["params"], strict=True))
+
+
+def test_fp16_weights_are_not_refused_by_the_deferred_step():
+    """The in-backward schedule refuses fp16 weights (its update would precede a GradScaler's verdict);
+    the deferred step updates after it, as torch's optimizer does, and trains them."""
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler="eager", schedule="deferred")
+    model.half()
+    model(**batches(1)[0]).loss.backward()
+    model.sonar.step()
+    assert model.sonar.state[model.sonar.expert_group["params"][0]]["exp_avg"].dtype == torch.float16

@@ -39,15 +39,19 @@ def refuse_unsupported(
         )
 
 
-def check_tensor(name: str, param: Tensor, grad: Tensor, state: dict[str, Any]) -> None:
+def check_tensor(
+    name: str, param: Tensor, grad: Tensor | None, state: dict[str, Any], *, in_backward: bool = True
+) -> None:
     """Refuse an expert update that would train differently from what it promises (fp16 weights, a
-    gradient in another dtype or device, a model cast or moved after its state was made)."""
-    if param.dtype == torch.float16:
+    gradient in another dtype or device, a model cast or moved after its state was made). fp16 weights
+    are refused only for an update in backward (`in_backward`): the deferred schedule updates at
+    `step()`, after a GradScaler's verdict, as torch's optimizer does. `grad` None: no gradient yet."""
+    if param.dtype == torch.float16 and in_backward:
         raise SonarUsageError(
             f"{name} is float16: fp16 weights need a GradScaler, whose unscale and inf check would run "
             "after Sonar has already applied the update in backward. Train in bf16 or fp32."
         )
-    if grad.dtype != param.dtype or grad.device != param.device:
+    if grad is not None and (grad.dtype != param.dtype or grad.device != param.device):
         raise SonarUsageError(
             f"{name}: gradient is {grad.dtype} on {grad.device} but the parameter is {param.dtype} on "
             f"{param.device}; Sonar updates weights in their own dtype. Keep expert weights and their "

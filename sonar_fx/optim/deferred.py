@@ -172,6 +172,8 @@ class SonarOptimizer(global_clip.Optimizer, Protocol):
 
     def end_step(self) -> None: ...
 
+    def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None: ...
+
     def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None: ...
 
     def _any_rank(self, local: bool) -> bool: ...
@@ -184,6 +186,8 @@ def step(opt: SonarOptimizer) -> None:
     store = opt.deferred
     experts = [p for p in opt.expert_group["params"] if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
+    for p in experts:  # before any weight moves (the dense step's included): a model cast after its
+        opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped
     scaler = scaler_step(opt)
     # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
     # unscaled and checked them: unscaling it again would divide it by the scale twice.

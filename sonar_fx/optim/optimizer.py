@@ -287,8 +287,13 @@ class SonarOptimizer(torch.optim.Optimizer):
             )
         self.deferred.add(param, name, recipe, operands)
 
+    def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
+        """The deferred step's `check_tensor` (fp16 weights allowed: the update waits for `step()`)."""
+        check_tensor(name, param, grad, self.state.get(param, {}), in_backward=False)
+
     def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None:
         """Update `param` at `step()` with its whole-step gradient (ours: clipped in place)."""
+        self.check_deferred(name, param, grad)
         self._update_now(name, param, grad, path)
 
     @torch.no_grad()
