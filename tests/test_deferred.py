@@ -9,6 +9,7 @@ parameter after 3 steps with the clip active on each step (the norm is checked t
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -232,6 +233,25 @@ def test_expert_gradients_never_pile_up(compiler):
     assert report["deferred"]["kept_operand_bytes"] == 0
     biggest = max(p.numel() * p.element_size() for p in experts)
     assert report["expert_grad_bytes"]["measured_peak"] == biggest
+
+
+def test_a_loop_holding_its_loss_through_step_keeps_no_operand(monkeypatch):
+    """`loss` alive through step() (a plain loop logs it after the step) keeps the backward graph's
+    nodes alive; the kept operands must not live on with them: each is freed once step() consumed it."""
+    model, opt, _, _ = pair("eager", torch.bfloat16, "all")
+    kept: list[weakref.ref] = []
+    defer = type(opt).defer_expert_
+
+    def watched(self, param, recipe, operands):
+        kept.extend(weakref.ref(t) for t in operands)
+        return defer(self, param, recipe, operands)
+
+    monkeypatch.setattr(type(opt), "defer_expert_", watched)
+    loss = model(**batches(1)[0]).loss
+    loss.backward()
+    opt.step()
+    assert kept and loss.grad_fn is not None  # the graph is alive...
+    assert [r for r in kept if r() is not None] == []  # ...and holds no operand
 
 
 def test_crossover_keeps_the_gradient_once_operands_outgrow_it():

@@ -3,7 +3,7 @@
 While an experts module runs its forward (a pre-hook enters `DeferGemms`, a hook leaves it), a
 grouped GEMM whose weight operand is an owned expert tensor (or its transpose) runs on the DETACHED
 weight, so autograd computes the input gradient exactly as before and no weight gradient at all; a
-hook on the GEMM's output receives dy when backward reaches it and hands (x, dy, offs) to the owner,
+node after the GEMM receives dy when backward reaches it and hands (x, dy, offs) to the owner,
 with the recipe autograd's weight gradient is made by: `_grouped_mm(x^T, dy, offs)`, transposed back
 where the weight was transposed. Any other use of an expert weight (a gather of expert rows for
 bmm, a per-expert loop) is left to autograd: its gradient arrives whole in `.grad` and the deferred
@@ -68,16 +68,28 @@ def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tenso
     y = func(x, w.detach(), *args[2:], **kwargs)
     if not y.requires_grad:
         return None  # nothing upstream needs a gradient: dy would never come; let autograd do it
-    recipe = _RECIPES[transposed]
-    # Detached before the hook closes over it: neither the kept operand nor the hook (which may outlive
-    # the backward) holds the autograd graph upstream of x alive.
-    x_t = x.detach().t()
+    # x detached: the kept operand never holds the autograd graph upstream of x alive.
+    return _KeepOperands.apply(y, x.detach().t(), offs, owner, param, _RECIPES[transposed])
 
-    def keep(dy: Tensor) -> None:
-        owner.defer_expert_(param, recipe, [x_t, dy, offs])
 
-    y.register_hook(keep)
-    return y
+class _KeepOperands(torch.autograd.Function):
+    """Identity on the GEMM's output whose backward hands (x^T, dy, offs) to the owner.
+
+    The operands are the node's saved tensors, not a hook's closure: autograd frees them when the
+    backward ends (unless the graph is retained, where a second backward keeps them again), so a loop
+    that holds `loss` through `step()` does not hold every layer's inputs with it."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x_t: Tensor, offs: Tensor, owner: Any, param: Tensor, recipe: str):
+        ctx.save_for_backward(x_t, offs)
+        ctx.owner, ctx.param, ctx.recipe = owner, param, recipe
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x_t, offs = ctx.saved_tensors
+        ctx.owner.defer_expert_(ctx.param, ctx.recipe, [x_t, dy, offs])
+        return dy, None, None, None, None, None
 
 
 def register_defer_hooks(modules: Iterable[nn.Module]) -> list[RemovableHandle]:
