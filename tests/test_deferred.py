@@ -254,6 +254,17 @@ def test_a_loop_holding_its_loss_through_step_keeps_no_operand(monkeypatch):
     assert [r for r in kept if r() is not None] == []  # ...and holds no operand
 
 
+def test_gradient_checkpointing_recomputes_the_capture_and_stays_exact():
+    """Under activation checkpointing the experts' forward runs again in backward; the operands kept
+    are the recomputed ones, and two micro-batches still train as plain torch does."""
+    model, opt, twin_model, twin = pair("eager", torch.float32, "all")
+    for m in (model, twin_model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run_steps(model, opt, twin, accum=2)
+    assert opt.deferred.last_peak_bytes > 0 and opt.report()["deferred"]["kept_whole"] == []
+    assert_same_weights(model, twin_model)
+
+
 def test_crossover_keeps_the_gradient_once_operands_outgrow_it():
     """Many tokens per step: operands beyond a tensor's gradient size cross over to a kept gradient,
     accumulated as autograd does; still exact, and reported."""
