@@ -266,7 +266,7 @@ def _emit(record: Mapping[str, Any]) -> None:
 
 def run_family(model_type: str, cfg: Config, threads: int) -> list[dict[str, Any]]:
     """`worker` in a child process; records it printed, and one for a crash or a timeout."""
-    cmd = [sys.executable, "-m", "benchmarks.families", "--worker", model_type, "--steps", str(cfg.steps)]
+    cmd = [sys.executable, "-m", "tests.families", "--worker", model_type, "--steps", str(cfg.steps)]
     compilers = _compilers_for(model_type, cfg)
     cmd += ["--compiler", *compilers, "--implementation", *cfg.implementations, "--threads", str(threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = argv if "--threads" in argv else [*argv, "--threads", "1"]
     inv = common.start(
         SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
-        overrides=[families, compilers, implementations, inductor],
+        overrides=[families, compilers, implementations, inductor], module="tests.families",
     )  # fmt: skip
     cfg, partial = inv.cfg, inv.out / PARTIAL
     records = _read_partial(partial) if resume else []

@@ -158,7 +158,9 @@ def run(cfg: Config) -> tuple[list[Table], list[dict[str, Any]]]:
 
 def main(argv: list[str] | None = None) -> None:
     cases = common.Override(field="cases", choices=sorted(CASES), help="cases to run", many=True)
-    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases])
+    inv = common.start(
+        SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases], module="tests.saving_cases"
+    )
     tables, records = run(inv.cfg)
     inv.finish(tables, records=records)
 
