@@ -14,6 +14,10 @@ pass), "hooks" (graph breaks left the experts' gradients outside any graph), "af
 returned them un-rewritten: no saving), "fallback" (Sonar's compile fallback fired, with its cause);
 then the saving: the measured peak of expert-gradient bytes alive at once in the last step, as a
 fraction of one layer's (Sonar's bound; above 1 means more than one layer was alive together).
+
+A check more than a measurement, so it lives with the tests: tests/test_families.py runs the same
+`run_twins` on one family per layout; `python -m tests.families` runs every family and writes
+results/families/ for the docs (`--quick`: the representative families, eager and aot_eager).
 """
 
 from __future__ import annotations
