@@ -20,7 +20,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy sonar_fx passes benchmarks
+	$(VENV)/bin/mypy sonar_fx passes benchmarks scripts/gpu
 
 # The reference site (docs/, mkdocs.yml): --strict, so a broken link or a missing page fails.
 docs: $(STAMP)
@@ -47,16 +47,20 @@ test-fast: $(STAMP)
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
 # step times swing), then the docs' Results pages and the README's headline are regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
-# Every CPU benchmark (the GPU ones run on a lent GPU: bench-gpu).
-BENCHMARKS := methods granularity batch_sweep accumulation memory_timeline compile_overhead optimizers \
-	endurance hot_path saving_cases families distributed plan_accuracy
+# Every CPU run: a module and its option, comma-separated (the GPU ones run on a lent GPU: bench-gpu).
+BENCHMARKS := benchmarks.methods benchmarks.methods,--granularity benchmarks.methods,--batch-sweep \
+	benchmarks.methods,--accumulation benchmarks.methods,--timeline benchmarks.methods,--profile \
+	benchmarks.compile benchmarks.compile,--endurance benchmarks.optimizers benchmarks.distributed \
+	benchmarks.plan_accuracy tests.saving_cases tests.families
 bench: $(STAMP)
-	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b $(BENCH_ARGS) || exit 1; done
+	for b in $(BENCHMARKS); do $(PY) -m $$(echo $$b | tr , ' ') $(BENCH_ARGS) || exit 1; done
 	$(PY) -m benchmarks.readme
 
+# Every run above, small, into build/bench-quick (results/ and the docs stay as they are): a check that
+# each script and option runs, in minutes.
 bench-quick: $(STAMP)
-	for b in $(BENCHMARKS); do $(PY) -m benchmarks.$$b --quick $(BENCH_ARGS) || exit 1; done
-	$(PY) -m benchmarks.readme
+	for b in $(BENCHMARKS); do $(PY) -m $$(echo $$b | tr , ' ') --quick --out build/bench-quick $(BENCH_ARGS) \
+		|| exit 1; done
 
 # On a CUDA machine (H200), offline, on its own python/torch: the full-size OLMoE-1B-7B run, the
 # kernel-backend checks and the GPU tests (scripts/gpu_check.sh says what and how long). Then, here:

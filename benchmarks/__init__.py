@@ -1,17 +1,35 @@
-"""sonar-fx benchmarks: one script per question, each runnable as `python -m benchmarks.NAME [--quick]`.
+"""sonar-fx benchmarks: one script per family of questions, `python -m benchmarks.NAME [--quick] [--OPTION]`.
 
-methods           paper Table 1: every method x execution mode (memory, step time, held-out loss)
-granularity       paper Table 3: batched (2L) vs per-expert (2EL) updates
-batch_sweep       paper section 5.5: how the saving and speedup shrink as the batch grows
-accumulation      paper Table 8: gradient accumulation A in {1, 2, 4, 8}
-memory_timeline   a picture of live memory through one step (standard, sonar eager, sonar compiled)
-compile_overhead  compile time with and without the pass; regional vs whole-model compilation
-endurance         2,000 steps: RSS flat, no recompiles, steady step time
-gpu               the prepared H200 script (full-size OLMoE-1B-7B shapes, random weights)
-readme            regenerates the README "Results" section from results/*/results.json
+methods       paper Table 1: every method x execution mode (memory, step time, held-out loss);
+              --granularity (Table 3: batched vs per-expert updates), --batch-sweep (section 5.5: the
+              saving and speedup as the batch grows), --accumulation (Table 8, and the deferred
+              schedule), --timeline (live memory through one step), --profile (where the update's time
+              goes, beside the same update done the plain way)
+compile       compile time with and without the pass, regional vs whole-model; --endurance (2,000 steps:
+              RSS flat, no recompiles, steady step time)
+optimizers    optimizers, clipping modes, logged norms, low-bit states; --only muon (Muon's table)
+distributed   gradient memory per distributed engine (DDP, FSDP2, EP, the 2-D layout)
+plan_accuracy `sonar-fx plan` against a measured step and the paper
+readme        regenerates the docs' Results pages and the README headline from results/*/results.json
 
-Shared code: `common` (environment header, tables, results I/O, CLI), `workload` (model shapes) and
-`arms` (build the arms of one comparison and measure them). The measuring itself (warm-up, memory
-step, interleaved timed rounds, paired ratios, spreads) is `sonar_fx.measure`, which the demo shares;
-the data is `sonar_fx.workload`.
+Each option writes results/<its name>/ (`methods --batch-sweep`: results/batch_sweep/). Elsewhere, with
+the same harness: the correctness tables the tests' own runners fill (`python -m tests.families`,
+`python -m tests.saving_cases`) and the prepared GPU scripts (`python -m scripts.gpu.olmoe`,
+`python -m scripts.gpu.kernels`). Shared code: `common` (environment header, grading, tables, results
+I/O, CLI), `goals` (every goal's threshold and wording), `workload` (model shapes), `arms` (build the arms
+of one comparison and measure them), `handwritten` (the tutorial's hooks), `profiles` (one step under the
+profiler). The measuring itself is `sonar_fx.measure`, which the demo shares; the data `sonar_fx.workload`.
 """
+
+SCRIPTS = (
+    "benchmarks.methods",
+    "benchmarks.compile",
+    "benchmarks.optimizers",
+    "benchmarks.distributed",
+    "benchmarks.plan_accuracy",
+    "tests.families",
+    "tests.saving_cases",
+    "scripts.gpu.olmoe",
+    "scripts.gpu.kernels",
+)
+"""Every module that writes results/ (`benchmarks.readme` reads each one's SCRIPT, MODES and question)."""

@@ -21,11 +21,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from tabulate import tabulate
 
+from benchmarks.goals import GOALS, Want
 from sonar_fx.environment import Environment
 from sonar_fx.measure import SIDE_BY_SIDE, Spread
 
@@ -51,8 +52,6 @@ class Table:
         return tabulate(self.rows, headers=self.headers, tablefmt=fmt, disable_numparse=True)
 
 
-Want = Literal["<", "<=", ">", ">="]
-"""How a measurement must compare with its goal (`measured <= goal` for "<=")."""
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
 }  # fmt: skip
@@ -108,6 +107,21 @@ class Goal:
     def met(self) -> bool | None:
         """True or False when graded; None when not measured or within the noise."""
         return {"met": True, "MISSED": False}.get(self.status)
+
+
+def goal(key: str, name: str, measured: Spread | float | None, shown: str | None = None) -> Goal:
+    """The goal `key` of `benchmarks.goals`, graded by `grade`: `shown` is the measured cell (default: the
+    value, or "-" when not measured)."""
+    t = GOALS[key]
+    if shown is None:
+        shown = (
+            "-"
+            if measured is None
+            else measured.fmt(2)
+            if isinstance(measured, Spread)
+            else f"{measured:.3g}"
+        )
+    return Goal(name=name, target=t.target, measured=shown, status=grade(measured, t.threshold, t.want))
 
 
 def goal_status(goal: dict[str, Any]) -> str:
@@ -179,9 +193,9 @@ def load_reports(results_dir: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def parser(script: str, doc: str | None) -> argparse.ArgumentParser:
-    """The options every script shares: --quick, --out, --threads, --seed."""
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{script}", description=(doc or "").split("\n")[0])
+def parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The options every script shares: --quick, --out, --threads, --seed (`module`: "benchmarks.methods")."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (fewer steps and configurations)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results)")
     p.add_argument(
@@ -207,9 +221,9 @@ def setup(args: argparse.Namespace) -> None:
         setattr(torch._dynamo.config, name, value)
 
 
-def command(script: str, argv: Sequence[str] | None = None) -> str:
+def command(module: str, argv: Sequence[str] | None = None) -> str:
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", "-m", f"benchmarks.{script}", *args])
+    return shlex.join(["python", "-m", module, *args])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +247,24 @@ class Override:
         value = getattr(args, self.field)
         if not value:
             return cfg
+        if not hasattr(cfg, self.field):
+            raise SystemExit(f"--{self.field} does not apply to this run (its Config has no {self.field})")
         parsed = tuple(map(self.parse, value)) if self.many else self.parse(value)
         return dataclasses.replace(cfg, **{self.field: parsed})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mode:
+    """An option of a script that answers a neighbouring question (`--batch-sweep` of `methods`), with its
+    own Config and its own results folder."""
+
+    flag: str
+    script: str
+    """Its results name (results/<script>/, the docs' markers)."""
+    question: str
+    """Shown above its tables in the docs (the script's own question is its docstring's first line)."""
+    default: Any
+    quick: Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,6 +299,22 @@ class Invocation(Generic[C]):
         )  # fmt: skip
         return emit(report, self.out)
 
+    def figure(self, name: str, draw: Callable[[Any], Any], dpi: int = 120) -> list[str]:
+        """`draw(pyplot)` returns a figure, saved as `name` beside results.json: [name], or [] without
+        matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return []
+        fig = draw(plt)
+        self.out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(self.out / name, dpi=dpi)
+        plt.close(fig)
+        return [name]
+
 
 def start(
     script: str,
@@ -278,18 +324,29 @@ def start(
     default: C,
     quick: C,
     overrides: Sequence[Override] = (),
+    modes: Sequence[Mode] = (),
+    module: str | None = None,
 ) -> Invocation[C]:
-    """The shared preamble of a CPU script: parse the shared options and `overrides`, apply the
-    process-wide settings, pick `quick` or `default` and override its fields, note the environment."""
-    p = parser(script, doc)
+    """The shared preamble of a CPU script: parse the shared options, `overrides` and the flag of at most
+    one of `modes` (which then gives the script name and Configs), apply the process-wide settings, pick
+    `quick` or `default` and override its fields, note the environment. `module`: the command's module
+    (default benchmarks.<script>)."""
+    module = module or f"benchmarks.{script}"
+    p = parser(module, doc)
     for o in overrides:
         o.add_to(p)
+    group = p.add_mutually_exclusive_group()
+    for m in modes:
+        group.add_argument(m.flag, dest="mode", action="store_const", const=m.script, help=m.question)
     args = p.parse_args(argv)
     setup(args)
+    mode = next((m for m in modes if m.script == getattr(args, "mode", None)), None)
+    if mode is not None:
+        script, default, quick = mode.script, mode.default, mode.quick
     cfg = quick if args.quick else default
     for o in overrides:
         cfg = o.apply(cfg, args)
-    return Invocation(script=script, command=command(script, argv), args=args, cfg=cfg, env=Environment.now())
+    return Invocation(script=script, command=command(module, argv), args=args, cfg=cfg, env=Environment.now())
 
 
 def mib(nbytes: float) -> float:

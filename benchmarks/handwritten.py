@@ -7,7 +7,7 @@ tensor its own optimizer and steps it in a post-accumulate-grad hook. Here: one
 tensors keep one fused AdamW at the end of the step, their global norm clipped. That is Sonar's
 arithmetic with expert_clip=None (the same updates in the same order, so the same weights bitwise) and
 its memory, without anything else Sonar does: no logged norms, no non-finite check, no step
-bookkeeping. This module never measures; `benchmarks.methods` and `benchmarks.hot_path` time it.
+bookkeeping. This module never measures; `benchmarks.methods` times it (and `--profile`, op by op).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 
 from benchmarks import common
 from benchmarks.common import Goal, Invocation, Table, grade
+from benchmarks.goals import GOALS
 from sonar_fx.config import AdamWConfig
 from sonar_fx.memory import measure_peak
 from sonar_fx.methods import build_method
@@ -167,14 +168,14 @@ class Config:
     paper_rows: tuple[PaperRow, ...] = PAPER_ROWS
     sweep: dict[int, float] = field(default_factory=lambda: dict(PAPER_SWEEP))
     paper_seq: int = 256
-    sweep_tolerance: float = 0.10
+    sweep_tolerance: float = GOALS["plan_accuracy.sweep"].threshold
     """Goal: each planned saving of the batch sweep within this fraction of the paper's (where the paper
     saved nothing: within this fraction of its batch-2 saving)."""
-    tolerance: float = 0.03
+    tolerance: float = GOALS["plan_accuracy.peak"].threshold
     """Goal: each predicted peak within this fraction of the measured one."""
-    saving_tolerance: float = 0.05
+    saving_tolerance: float = GOALS["plan_accuracy.saving"].threshold
     """Goal: each predicted saving within this fraction of the measured saving."""
-    cost_goal_s: float = 120.0
+    cost_goal_s: float = GOALS["plan_accuracy.cost_s"].threshold
     """Goal: a full-size OLMoE-1B-7B plan of the four default methods takes less."""
 
 

@@ -17,6 +17,7 @@ markers. `--check` only reports whether every file is current (exit 1 if not).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import shlex
@@ -26,6 +27,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from benchmarks import SCRIPTS
 from benchmarks.common import GOALS_NOTE, RESULTS_DIR, goal_status, load_reports
 from sonar_fx.measure import fmt_ratio, paired_ratio
 
@@ -64,7 +66,7 @@ def render_block(script: str, reports: dict[str, dict[str, Any]], results_dir: P
         return render_report(reports[script], results_dir, page_dir)
     return (
         "Not run yet: no GPU was lent to this project so far. The prepared script is "
-        "`python -m benchmarks.gpu` (add `--compiled-standard` for the compiled baseline)."
+        "`python -m scripts.gpu.olmoe` (add `--compiled-standard` for the compiled baseline)."
     )
 
 
@@ -167,11 +169,15 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     load = "/".join(f"{x:.1f}" for x in env["load_avg"])
     if data.get("load_avg_end"):
         load += " at the start, " + "/".join(f"{x:.1f}" for x in data["load_avg_end"]) + " at the end"
+    prefix, ask = _current(script)
+    recorded = shlex.split(data["command"])
+    ran = f"`{data['command']}`"
+    if prefix and recorded[:3] != prefix[:3]:  # its script has moved: the same code, run by today's command
+        ran += f" (now `{shlex.join([*prefix, *recorded[3:]])}`)"
     lines = [
-        question(module_of(data["command"])),  # a partial run (`--only`) is named apart from its module
+        ask,
         "",
-        f"`{data['command']}`: {env['date']}, {env.get('gpu') or env['device']} on {env['host']} "
-        f"({env['cores']} cores, "
+        f"{ran}: {env['date']}, {env.get('gpu') or env['device']} on {env['host']} ({env['cores']} cores, "
         f"{env['threads']} torch threads, load {load}), torch {env['torch']}, transformers "
         f"{env['transformers']}.",
     ]
@@ -191,18 +197,25 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     return "\n".join(lines)
 
 
-def module_of(command: str) -> str:
-    """The benchmark module a results command ran: `python -m benchmarks.<module> ...`."""
-    return shlex.split(command)[2].removeprefix("benchmarks.")
+@functools.cache
+def index() -> dict[str, tuple[list[str], str]]:
+    """Every results name, with the command that writes it today (module, and the option that picks it)
+    and the question it answers (an option's own, or the module docstring's first line)."""
+    found = {}
+    for name in SCRIPTS:
+        module = importlib.import_module(name)
+        found[module.SCRIPT] = (["python", "-m", name], (module.__doc__ or "").strip().split("\n")[0])
+        for mode in getattr(module, "MODES", ()):
+            found[mode.script] = (["python", "-m", name, mode.flag], mode.question)
+    return found
 
 
-def question(script: str) -> str:
-    """The first line of the benchmark module's docstring: the question it answers."""
-    try:
-        module = importlib.import_module(f"benchmarks.{script.removesuffix('_smoke')}")
-    except ImportError:
-        return ""
-    return (module.__doc__ or "").strip().split("\n")[0]
+def _current(script: str) -> tuple[list[str], str]:
+    """`index()`'s entry of a results name; a partial run (`optimizers_muon`) is its script's."""
+    known = index()
+    if script in known:
+        return known[script]
+    return next((v for k, v in known.items() if script.startswith(f"{k}_")), ([], ""))
 
 
 def replace_between_markers(
@@ -252,7 +265,8 @@ def updated_files(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=question("readme"))
+    doc = (__doc__ or "").split("\n")[0]
+    p = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=doc)
     p.add_argument("--results", type=Path, default=RESULTS_DIR)
     p.add_argument(
         "--docs",

@@ -81,8 +81,8 @@ fi
 
 stage preflight "${GPU_CHECK_PREFLIGHT_S:-60}" \
   bash -c "set -o pipefail; '$PY' scripts/gpu_preflight.py 2>&1 | tee '$OUT/preflight.txt'"
-stage gpu "${GPU_CHECK_GPU_S:-240}" "$PY" -m benchmarks.gpu --quick "${SIZE[@]}" --out "$OUT/results"
-stage kernels "${GPU_CHECK_KERNELS_S:-130}" "$PY" -m benchmarks.gpu_kernels --quick --compilers eager \
+stage gpu "${GPU_CHECK_GPU_S:-240}" "$PY" -m scripts.gpu.olmoe --quick "${SIZE[@]}" --out "$OUT/results"
+stage kernels "${GPU_CHECK_KERNELS_S:-130}" "$PY" -m scripts.gpu.kernels --quick --compilers eager \
   "${SIZE[@]}" --out "$OUT/results"
 stage tests "${GPU_CHECK_TESTS_S:-100}" "$PY" -m pytest -q -rs --durations=10 -p no:cacheprovider \
   --junitxml="$OUT/junit.xml" "${TESTS_DEVICE[@]}" tests/test_kernels_gpu.py tests/test_gpu_runtime.py

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import common, compile_overhead, endurance, hot_path, optimizers, readme
+from benchmarks import common, optimizers, profiles, readme
+from benchmarks import compile as compile_overhead
 from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table, goal_status, grade, worst
-from benchmarks.memory_timeline import PHASES, profile_step, timeline
 from benchmarks.methods import shape_goals, table
+from benchmarks.profiles import PHASES, profile_step, timeline
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.environment import Environment
@@ -267,9 +268,9 @@ def test_replace_between_markers_keeps_the_rest():
 
 @pytest.mark.slow
 def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_thread):
-    endurance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    compile_overhead.main(["--endurance", "--quick", "--threads", "1", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "endurance" / "results.json").read_text())
-    cfg = endurance.QUICK
+    cfg = compile_overhead.ENDURANCE_QUICK
     (record,) = data["records"]
     timed = cfg.steps - cfg.warmup - 1  # warm-up and the first memory step, then rounds, then the last step
     assert record["error"] is None
@@ -285,18 +286,19 @@ def test_endurance_quick_writes_series_and_counts_no_recompiles(tmp_path, one_th
 @pytest.mark.slow
 def test_endurance_sees_a_recompile_after_warm_up(one_thread):
     # Negative control: a new sequence length after warm-up must show up as compiles, not as zero.
-    cfg = endurance.Config(steps=8, warmup=3, seq=16)
+    cfg = compile_overhead.EnduranceConfig(steps=8, warmup=3, seq=16)
     batches = make_batches(cfg.warmup, cfg.batch, cfg.seq) + make_batches(
         cfg.steps - cfg.warmup, cfg.batch, 8
     )
-    result = endurance.Endurance(label="x")
+    result = compile_overhead.Endurance(label="x")
     with side_by_side():
-        endurance._run_arm(result, endurance.QUICK.arms[0], cfg, batches)
+        compile_overhead._run_arm(result, compile_overhead.ENDURANCE_QUICK.arms[0], cfg, batches)
     assert result.error is None, result.error
     assert result.frames_compiled_after_warmup >= 1 and result.sonar["recompiles"] >= 1
-    goals = {g.name.split(": ")[1]: g.met for g in endurance.goals([result])}
+    goals = {g.name.split(": ")[1]: g.met for g in compile_overhead.endurance_goals([result])}
     assert goals["no recompiles"] is False
-    assert endurance.rss_slope([0, 1024, 2048, 3072]) == 1024.0 and endurance.rss_slope([5, 5, 5]) == 0.0
+    rss_slope = compile_overhead.rss_slope
+    assert rss_slope([0, 1024, 2048, 3072]) == 1024.0 and rss_slope([5, 5, 5]) == 0.0
 
 
 def test_regional_rows_say_not_available_without_the_option(monkeypatch):
@@ -355,22 +357,23 @@ def test_optimizers_muon_table_measures_state_memory_and_time_against_adamw_and_
 
 
 def test_hot_path_profiles_each_update_beside_its_equal_work_twin(one_thread):
-    """The eager pairs of `benchmarks.hot_path` on a micro model: every arm timed in every round, the
+    """The eager pairs of `benchmarks.methods --profile` on a micro model: every arm timed in every round, the
     profiler counting one fused AdamW call per expert tensor plus the dense one (Sonar and the hand-written
     hooks alike), the logged norms only where Sonar takes them, and every eager goal measured."""
-    cfg = dataclasses.replace(hot_path.QUICK, modes=("eager",))
-    tables, goals, records = hot_path.run(cfg)
+    quick = next(m.quick for m in profiles.MODES if m.flag == "--profile")
+    cfg = dataclasses.replace(quick, modes=("eager",))
+    tables, goals, records = profiles.run_profile(cfg)
     assert [r["error"] for r in records] == [None] * 4
     assert all(
         len(r["cpu_s"]) == cfg.rounds and len(r["op_calls"]["aten::_fused_adamw_"]) == 2 for r in records
     )
-    tensors = 2 * SHAPES[cfg.shape].layers  # gate_up and down per layer
+    tensors = 2 * SHAPES[cfg.shapes[0]].layers  # gate_up and down per layer
     calls = {r["label"]: r["op_calls"] for r in records}
     assert all(c["aten::_fused_adamw_"] == [tensors + 1] * 2 for c in calls.values())
     norms = {label: c["aten::linalg_vector_norm"][0] for label, c in calls.items()}
-    assert norms["sonar · eager hooks"] == norms[f"{hot_path.HANDWRITTEN} · eager hooks"] + tensors
+    assert norms["sonar · eager hooks"] == norms[f"{profiles.HANDWRITTEN} · eager hooks"] + tensors
     assert (
-        norms[f"sonar · eager hooks, {hot_path.UNCHECKED}"] == norms[f"{hot_path.HANDWRITTEN} · eager hooks"]
+        norms[f"sonar · eager hooks, {profiles.UNCHECKED}"] == norms[f"{profiles.HANDWRITTEN} · eager hooks"]
     )
     eager = [g for g in goals if "eager" in g.name]
     assert len(eager) == 3 and all(g.status != "not measured" for g in eager)  # met, MISSED or noise

@@ -1,20 +1,20 @@
 """Sonar is bitwise equal to its twin on every expert layout transformers uses (tiny configs, fp32).
 
-The twin is standard_no_expert_clip with the split discovery makes (`benchmarks.families.run_twins`,
+The twin is standard_no_expert_clip with the split discovery makes (`tests/families.py`'s `run_twins`,
 the same code that fills the README's families table). One family per layout: non-gated (NemotronH),
 zero-computation experts (LongCat-Flash), per-expert linear modules in MLP and attention (JetMoE),
 fused 2-D (DBRX), shared experts (Qwen2-MoE), an undecorated experts module (Llama-4), experts given
-by name (Doge), per-expert biases both ways (gpt-oss). The full table: `python -m benchmarks.families`.
+by name (Doge), per-expert biases both ways (gpt-oss). The full table: `python -m tests.families`.
 """
 
 import pytest
 import torch
 
 import sonar_fx
-from benchmarks.families import batches, build_family, differing, run_twins, train
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.methods import build_method
 
+from families import batches, build_family, differing, run_twins, train
 from helpers import CFG
 
 EAGER_FAMILIES = ["nemotron_h", "longcat_flash", "jetmoe", "dbrx", "qwen2_moe", "llama4_text", "doge"]

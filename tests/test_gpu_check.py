@@ -1,7 +1,7 @@
 """The GPU check rehearsed on CPU, so that no first run on a GPU fails on a Python error.
 
 `bash scripts/gpu_check.sh --rehearse` runs every stage and script the GPU check runs (preflight,
-`benchmarks.gpu`, `benchmarks.gpu_kernels`, the gpu-marked tests) with the device taken from the
+`scripts.gpu.olmoe`, `scripts.gpu.kernels`, the gpu-marked tests) with the device taken from the
 argument (cpu) and tiny shapes. Code that only a CUDA device reaches is run here on stand-ins: the CUDA
 memory statistics on a stubbed allocator, the GPU table's full-size formatting, and the flag an NCCL
 all-reduce receives, as a fake CUDA tensor (FakeTensorMode). docs/gpu-check.md lists what stays
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from benchmarks import gpu
+from scripts.gpu import olmoe as gpu
 from sonar_fx.distributed import reductions
 from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import discover_experts
@@ -79,7 +79,7 @@ def test_rehearsal_of_the_full_size_run_trains_every_arm(rehearsal):
     assert records["sonar · eager hooks"]["updates_by_hook"] == steps * tensors
     assert all(len(r["step_s"]) == cfg["steps"] and r["peak_step_bytes"] > 0 for r in records.values())
     assert data["env"]["torch"] == torch.__version__ and data["command"].startswith(
-        "python -m benchmarks.gpu"
+        "python -m scripts.gpu.olmoe"
     )
     # The GPU run's table (GiB, full-size note) renders from the same records.
     full_size = gpu.table(data["records"], gpu.Config())
@@ -147,8 +147,8 @@ class StubCudaAllocator:
 
 
 def test_cuda_memory_statistics_reach_the_arm_result(monkeypatch):
-    """`measure_arm(..., device="cuda")`, as benchmarks.gpu and gpu_kernels call it: the step's peak
-    above its start, and the absolute allocated and reserved peaks."""
+    """`measure_arm(..., device="cuda")`, as scripts.gpu.olmoe and scripts.gpu.kernels call it: the step's
+    peak above its start, and the absolute allocated and reserved peaks."""
     allocator = StubCudaAllocator(resident=10_000)
     allocator.install(monkeypatch)
     result = measure_arm(

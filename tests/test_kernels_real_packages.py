@@ -216,7 +216,7 @@ def test_gpu_kernels_cpu_smoke_switches_the_interpreter_on_before_triton_loads(t
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "STUB_TRITON": "1", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "benchmarks.gpu_kernels", "--device", "cpu", "--tiny", "--quick"]
+    cmd = [sys.executable, "-m", "scripts.gpu.kernels", "--device", "cpu", "--tiny", "--quick"]
     cmd += ["--backends", "scattermoe", "--compilers", "eager", "--out", str(out), "--threads", "1"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Tiny configs of every Mixture-of-Experts causal LM in the installed transformers.
 
-For: the families table (`python -m benchmarks.families`), the family tests and `sonar-fx inspect
+For: the families table (`python -m tests.families`), the family tests and `sonar-fx inspect
 --model hf:<model_type>`. The MoE model types are found, not listed: every causal-LM model type in
 transformers' auto mappings whose default config has an expert-count field. Each tiny config keeps
 the family's real classes (so its real expert layout and backward graph) at a size that trains on two

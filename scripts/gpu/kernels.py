@@ -1,7 +1,7 @@
 """The prepared GPU check for the expert kernel backends: numerics, exactness and memory per backend.
 
-    python -m benchmarks.gpu_kernels                      # H200: every backend that can run there
-    python -m benchmarks.gpu_kernels --device cpu --tiny  # CPU smoke: torch + scattermoe (interpreted)
+    python -m scripts.gpu.kernels                      # H200: every backend that can run there
+    python -m scripts.gpu.kernels --device cpu --tiny  # CPU smoke: torch + scattermoe (interpreted)
 
 Run as a script with `--device cpu`, it switches Triton's interpreter on (TRITON_INTERPRET=1) before
 anything imports triton: torch._dynamo imports it, and triton.language binds its own jitted helpers
@@ -70,6 +70,7 @@ from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
 SCRIPT = "gpu_kernels"
+MODULE = "scripts.gpu.kernels"
 # Layer shapes: T tokens (batch 2 x seq 256 on GPU), k top-k, E experts, d width, n expert width.
 LAYER_SHAPES = {
     "tiny": dict(t=64, k=2, e=8, d=64, n=32),
@@ -379,7 +380,7 @@ def configure(args: Any) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
+    p = common.parser(MODULE, __doc__)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes only (the CPU smoke mode)")
     p.add_argument("--backends", nargs="*", choices=list(BACKENDS), help="default: all")
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     common.setup(args)
     cfg = configure(args)
     inv = common.Invocation(
-        script=SCRIPT, command=common.command(SCRIPT, argv), args=args, cfg=cfg,
+        script=SCRIPT, command=common.command(MODULE, argv), args=args, cfg=cfg,
         env=Environment.now(cfg.device),  # date and load at the start, as `Environment` documents
     )  # fmt: skip
     signal.signal(signal.SIGTERM, _stop_on_sigterm)

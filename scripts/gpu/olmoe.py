@@ -35,6 +35,8 @@ from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim.optimizer import SonarOptimizer
 
 SCRIPT = "gpu"
+"""Results name (results/gpu/; the smoke mode writes gpu_smoke)."""
+MODULE = "scripts.gpu.olmoe"
 GIB = 2**30
 
 OLMOE_1B_7B: dict[str, Any] = dict(
@@ -179,7 +181,7 @@ def _row(r: dict[str, Any], base: dict[str, Any] | None, unit: int) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = common.parser(SCRIPT, __doc__)
+    p = common.parser(MODULE, __doc__)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny: the smoke mode)")
     p.add_argument("--tiny", action="store_true", help="a tiny OLMoE config instead of OLMoE-1B-7B")
     p.add_argument("--compiled-standard", action="store_true", help="add the compiled standard arm")
@@ -207,10 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = replace(cfg, arms=tuple(a.under(args.compiler) for a in cfg.arms))
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
-            "benchmarks.gpu: no CUDA device here; run with --device cpu --tiny for the smoke mode."
+            "scripts.gpu.olmoe: no CUDA device here; run with --device cpu --tiny for the smoke mode."
         )
     inv = common.Invocation(
-        script=f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT, command=common.command(SCRIPT, argv), args=args,
+        script=f"{SCRIPT}_smoke" if cfg.tiny else SCRIPT, command=common.command(MODULE, argv), args=args,
         cfg=cfg, env=Environment.now(cfg.device),
     )  # fmt: skip
     records = run(cfg)

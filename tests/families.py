@@ -14,6 +14,10 @@ pass), "hooks" (graph breaks left the experts' gradients outside any graph), "af
 returned them un-rewritten: no saving), "fallback" (Sonar's compile fallback fired, with its cause);
 then the saving: the measured peak of expert-gradient bytes alive at once in the last step, as a
 fraction of one layer's (Sonar's bound; above 1 means more than one layer was alive together).
+
+A check more than a measurement, so it lives with the tests: tests/test_families.py runs the same
+`run_twins` on one family per layout; `python -m tests.families` runs every family and writes
+results/families/ for the docs (`--quick`: the representative families, eager and aot_eager).
 """
 
 from __future__ import annotations
@@ -266,7 +270,7 @@ def _emit(record: Mapping[str, Any]) -> None:
 
 def run_family(model_type: str, cfg: Config, threads: int) -> list[dict[str, Any]]:
     """`worker` in a child process; records it printed, and one for a crash or a timeout."""
-    cmd = [sys.executable, "-m", "benchmarks.families", "--worker", model_type, "--steps", str(cfg.steps)]
+    cmd = [sys.executable, "-m", "tests.families", "--worker", model_type, "--steps", str(cfg.steps)]
     compilers = _compilers_for(model_type, cfg)
     cmd += ["--compiler", *compilers, "--implementation", *cfg.implementations, "--threads", str(threads)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = argv if "--threads" in argv else [*argv, "--threads", "1"]
     inv = common.start(
         SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
-        overrides=[families, compilers, implementations, inductor],
+        overrides=[families, compilers, implementations, inductor], module="tests.families",
     )  # fmt: skip
     cfg, partial = inv.cfg, inv.out / PARTIAL
     records = _read_partial(partial) if resume else []

@@ -7,6 +7,9 @@ the backbone compile), and reports from `SonarOptimizer.report()`: updates in th
 a graph returned them; the measured peak of expert-gradient bytes alive at once in the last step beside
 the one-layer and all-layers bounds; and the first sonar warning, as a user reads it. Every arm is
 also compared with `torch.equal` against its standard twin where the case has one. Never asserts.
+The tests assert the same facts (tests/test_saving_guard.py: batched_mm before and after, a replaced
+forward; tests/test_hf_trainer.py: SonarSFTTrainer in graph); `python -m tests.saving_cases` writes the
+table of results/saving_cases/ for the docs.
 """
 
 from __future__ import annotations
@@ -158,7 +161,9 @@ def run(cfg: Config) -> tuple[list[Table], list[dict[str, Any]]]:
 
 def main(argv: list[str] | None = None) -> None:
     cases = common.Override(field="cases", choices=sorted(CASES), help="cases to run", many=True)
-    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases])
+    inv = common.start(
+        SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases], module="tests.saving_cases"
+    )
     tables, records = run(inv.cfg)
     inv.finish(tables, records=records)
 
