@@ -66,7 +66,9 @@ def render_block(script: str, reports: dict[str, dict[str, Any]], results_dir: P
         return render_report(reports[script], results_dir, page_dir)
     return (
         "Not run yet: no GPU was lent to this project so far. The prepared script is "
-        "`python -m scripts.gpu.olmoe` (add `--compiled-standard` for the compiled baseline)."
+        "`python -m scripts.gpu.olmoe` (add `--compiled-standard` for the compiled baseline, `--deferred` "
+        "for the deferred schedule with one clip over every parameter: the GPU measure of its extra "
+        "weight-gradient GEMMs)."
     )
 
 

@@ -69,6 +69,9 @@ class Config:
         Arm(method="sonar", execution=COMPILED),
     )
     opt: AdamWConfig = field(default_factory=lambda: AdamWConfig(lr=2e-5, max_grad_norm=1.0))
+    clip_all_arms: tuple[Arm, ...] = ()
+    """Arms run with one global clip over every parameter (`expert_clip="global"`), as standard clips:
+    the deferred schedule's exact clip, whose cost is one more weight-gradient GEMM per expert tensor."""
     experts_kernel: str = "default"
     """Expert kernel backend of every arm (`sonar_fx.experts.kernels.BACKENDS`), or transformers' own."""
 
@@ -95,22 +98,22 @@ def batches(cfg: Config, vocab: int, n: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def measure(arm: Arm, cfg: Config) -> dict[str, Any]:
+def measure(arm: Arm, cfg: Config, opt: AdamWConfig, label: str) -> dict[str, Any]:
     """Build one arm, warm it up, measure one step's memory, time the next `cfg.steps` steps."""
     model = build(cfg)
     grads = ExpertGradBytes.of(ExpertSet.discover(model).layers)
-    method = arm.build(model, cfg.opt)
+    method = arm.build(model, opt)
     vocab = (TINY if cfg.tiny else OLMOE_1B_7B)["vocab_size"]
     data = batches(cfg, vocab, cfg.warmup + 1 + cfg.steps)
     # One arm at a time (a 7B model with AdamW state is ~55 GB): rounds of one, so no pairing.
-    result = measure_arm(ArmResult(label=arm.label), method.train_step, data[: cfg.warmup], data[cfg.warmup],
+    result = measure_arm(ArmResult(label=label), method.train_step, data[: cfg.warmup], data[cfg.warmup],
                          device=cfg.device)  # fmt: skip
     run_rounds([(result, method.train_step)], data[cfg.warmup + 1 :])
     if result.error is not None:
         raise RuntimeError(result.error)
     report = method.optimizer.report() if isinstance(method.optimizer, SonarOptimizer) else {}
     return {
-        "arm": arm.label,
+        "arm": label,
         "warmup_s": result.warmup_s,
         "peak_step_bytes": result.peak_bytes,
         "max_allocated_bytes": result.allocated_bytes,
@@ -126,12 +129,15 @@ def measure(arm: Arm, cfg: Config) -> dict[str, Any]:
 
 def run(cfg: Config) -> list[dict[str, Any]]:
     records = []
-    for arm in cfg.arms:
-        print(f"  {arm.label}", flush=True)
+    clip_all = replace(cfg.opt, expert_clip="global")
+    runs = [(a, cfg.opt, a.label) for a in cfg.arms]
+    runs += [(a, clip_all, f"{a.label} (clip all)") for a in cfg.clip_all_arms]
+    for arm, opt, label in runs:
+        print(f"  {label}", flush=True)
         try:
-            records.append(measure(arm, cfg))
+            records.append(measure(arm, cfg, opt, label))
         except Exception as err:  # reported in the table; the other arms still run
-            records.append({"arm": arm.label, "error": short_error(err)})
+            records.append({"arm": label, "error": short_error(err)})
         torch._dynamo.reset()
         gc.collect()
         if cfg.device.startswith("cuda"):
@@ -186,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny OLMoE config instead of OLMoE-1B-7B")
     p.add_argument("--compiled-standard", action="store_true", help="add the compiled standard arm")
     p.add_argument(
+        "--deferred",
+        action="store_true",
+        help="add the deferred schedule with one clip over every parameter, eager and compiled "
+        "(the same clip as standard: its time against standard is the extra weight-gradient GEMMs' cost)",
+    )
+    p.add_argument(
         "--compiler",
         choices=["inductor", "aot_eager"],
         default="inductor",
@@ -206,7 +218,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = replace(cfg, seq=32, warmup=1, steps=2)  # a smoke run: the code path, not the numbers
     if args.compiled_standard:
         cfg = replace(cfg, arms=(*cfg.arms, Arm(method="standard", execution=COMPILED)))
-    cfg = replace(cfg, arms=tuple(a.under(args.compiler) for a in cfg.arms))
+    if args.deferred:
+        cfg = replace(
+            cfg,
+            clip_all_arms=(Arm(method="sonar_deferred"), Arm(method="sonar_deferred", execution=COMPILED)),
+        )
+    cfg = replace(
+        cfg,
+        arms=tuple(a.under(args.compiler) for a in cfg.arms),
+        clip_all_arms=tuple(a.under(args.compiler) for a in cfg.clip_all_arms),
+    )
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(
             "scripts.gpu.olmoe: no CUDA device here; run with --device cpu --tiny for the smoke mode."
