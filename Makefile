@@ -49,19 +49,20 @@ test-fast: $(STAMP)
 # Not part of `make test`. torch defaults to 2.13.0, the CPU wheel on local disk: torch 2.11 is on the
 # registry only as a CUDA build (with GBs of nvidia-* libraries). Where torch 2.11's CPU wheel is
 # reachable (e.g. a folder in PIP_FIND_LINKS), `make test-gpu-versions TORCH=2.11.0` runs the same tier
-# against it. Each version is pinned in the install that follows it, so pip can never swap one; triton
-# goes in with --no-deps, as the image's does (it brings no torch).
+# against it. Each version is pinned in every install, so pip can never swap one; torch as `+cpu`, which
+# PyPI's CUDA build never matches (a missing CPU wheel fails at once instead of pulling GBs); triton goes
+# in with --no-deps, as the image's does (it brings no torch).
 TORCH ?= 2.13.0
 TRANSFORMERS ?= 5.17.0
 TRITON ?= 3.6.0
 GPU_VENV := .venv-gpu-versions
 GPU_PY := $(GPU_VENV)/bin/python
-GPU_PINS := torch==$(TORCH) transformers==$(TRANSFORMERS) triton==$(TRITON)
+GPU_PINS := torch==$(TORCH)+cpu transformers==$(TRANSFORMERS) triton==$(TRITON)
 GPU_STAMP := $(GPU_VENV)/.installed-torch$(TORCH)-transformers$(TRANSFORMERS)-triton$(TRITON)
 
 $(GPU_STAMP): pyproject.toml Makefile
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_PY) -m pip install -q torch==$(TORCH)
+	$(GPU_PY) -m pip install -q torch==$(TORCH)+cpu
 	$(GPU_PY) -m pip install -q --no-deps triton==$(TRITON)
 	$(GPU_PY) -m pip install -q -e ".[dev]" $(GPU_PINS)
 	$(GPU_PY) -c "import torch, transformers, triton; print('torch', torch.__version__, \
