@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sonar-fx-installed
 
-.PHONY: demo test test-fast lint docs bench bench-quick bench-gpu gpu-rehearsal clean
+.PHONY: demo test test-fast test-gpu-versions lint docs bench bench-quick bench-gpu gpu-rehearsal clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,36 @@ test-fast: $(STAMP)
 	@rc=0; $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
 
+# The fast tier against the GPU image's library versions (transformers 5.17, triton 3.6; the image has
+# torch 2.11), in a second venv, so that a GPU run finds no version problem the CPU could have found.
+# Not part of `make test`. torch defaults to 2.13.0, the CPU wheel on local disk: torch 2.11 is on the
+# registry only as a CUDA build (with GBs of nvidia-* libraries). Where torch 2.11's CPU wheel is
+# reachable (e.g. a folder in PIP_FIND_LINKS), `make test-gpu-versions TORCH=2.11.0` runs the same tier
+# against it. Each version is pinned in every install, so pip can never swap one; torch as `+cpu`, which
+# PyPI's CUDA build never matches (a missing CPU wheel fails at once instead of pulling GBs); triton goes
+# in with --no-deps, as the image's does (it brings no torch).
+TORCH ?= 2.13.0
+TRANSFORMERS ?= 5.17.0
+TRITON ?= 3.6.0
+GPU_VENV := .venv-gpu-versions
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_PINS := torch==$(TORCH)+cpu transformers==$(TRANSFORMERS) triton==$(TRITON)
+GPU_STAMP := $(GPU_VENV)/.installed-torch$(TORCH)-transformers$(TRANSFORMERS)-triton$(TRITON)
+
+$(GPU_STAMP): pyproject.toml Makefile
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q torch==$(TORCH)+cpu
+	$(GPU_PY) -m pip install -q --no-deps triton==$(TRITON)
+	$(GPU_PY) -m pip install -q -e ".[dev]" $(GPU_PINS)
+	$(GPU_PY) -c "import torch, transformers, triton; print('torch', torch.__version__, \
+		'transformers', transformers.__version__, 'triton', triton.__version__)"
+	rm -f $(GPU_VENV)/.installed-* && touch $(GPU_STAMP)
+
+test-gpu-versions: $(GPU_STAMP)
+	@rc=0; $(GPU_PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		-m "$(FAST)" $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
 # Benchmarks: one process each, one torch thread (two threads per process on two shared cores make
 # step times swing), then the docs' Results pages and the README's headline are regenerated from their JSON.
 BENCH_ARGS ?= --threads 1
@@ -73,4 +103,4 @@ gpu-rehearsal: $(STAMP)
 	PYTHON=$(PY) bash scripts/gpu_check.sh --rehearse
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build/site  # results/ is committed: the docs quote it
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache .mypy_cache build/site  # results/ is committed: the docs quote it

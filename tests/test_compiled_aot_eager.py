@@ -13,9 +13,10 @@ import sonar_fx
 from sonar_fx.backend import make_sonar_backend
 from sonar_fx.methods import Execution, Method, TrainingMethod
 from sonar_fx.models import build_model
+from sonar_fx.models.tiny import enable_activation_checkpointing
 
 from ablations import failing_pass, naive_update_pass
-from helpers import CFG, assert_same_weights, batches, trained, weights_differ
+from helpers import CFG, assert_same_weights, batches, known_library_failure, trained, weights_differ
 
 SONAR, AOT_EAGER = Method.named("sonar"), Execution(compiler="aot_eager")
 
@@ -31,7 +32,8 @@ def eager_twins():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_aot_eager_pass_equals_eager_standard_no_expert_clip(model_name, dtype, eager_twins):
+def test_aot_eager_pass_equals_eager_standard_no_expert_clip(model_name, dtype, eager_twins, request):
+    request.applymarker(known_library_failure(grouped_mm_compiled=dtype, compiled_vs_eager=True))
     torch._dynamo.reset()
     model, method = trained("sonar", model_name, dtype, compiler="aot_eager")
     assert_same_weights(model, eager_twins[(model_name, dtype)])
@@ -58,6 +60,7 @@ def test_naive_placement_corrupts_training_so_placement_matters(eager_twins):
     assert weights_differ(model, eager_twins[("tiny-olmoe", torch.bfloat16)])
 
 
+@known_library_failure(grouped_mm_compiled=torch.float32)
 def test_expert_grads_are_consumed_in_graph_and_hooks_do_nothing():
     torch._dynamo.reset()
     model = build_model("tiny-olmoe", seed=0)
@@ -114,6 +117,7 @@ def trained_on(model, method_name, compiler):
     return model, method
 
 
+@known_library_failure(grouped_mm_compiled=torch.float32)
 def test_lr_changes_every_step_without_recompiling():
     torch._dynamo.reset()
     model = build_model("tiny-olmoe", seed=0)
@@ -135,6 +139,7 @@ def test_lr_changes_every_step_without_recompiling():
     assert opt.stats.updates["graph"] == 20 * 4
 
 
+@known_library_failure(compiled_vs_eager=True)  # the failed graph still runs as dynamo captured it
 def test_forced_compiler_failure_falls_back_to_hooks_and_warns_once(eager_twins):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -156,9 +161,11 @@ def test_activation_checkpointing_stays_exact():
     def run(method):
         torch._dynamo.reset()
         model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        assert enable_activation_checkpointing(model, {"use_reentrant": False})
         model.train()
-        assert model.is_activation_checkpointing
+        # transformers <= 5.18 names it is_gradient_checkpointing (as it does the enabling call)
+        new_name = hasattr(type(model), "is_activation_checkpointing")
+        assert model.is_activation_checkpointing if new_name else model.is_gradient_checkpointing
         return trained_on(model, method, "aot_eager")
 
     sonar_model, method = run("sonar")

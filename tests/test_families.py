@@ -15,9 +15,10 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.methods import build_method
 
 from families import batches, build_family, differing, run_twins, train
-from helpers import CFG
+from helpers import CFG, known_library_failure
 
-EAGER_FAMILIES = ["nemotron_h", "longcat_flash", "jetmoe", "dbrx", "qwen2_moe", "llama4_text", "doge"]
+EAGER_FAMILIES = ["nemotron_h", "longcat_flash", "jetmoe", "dbrx", "qwen2_moe", "llama4_text"]
+EAGER_FAMILIES += [pytest.param("doge", marks=known_library_failure(forward_of="doge"))]
 
 
 def _exact(run):

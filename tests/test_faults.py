@@ -14,6 +14,7 @@ import torch
 
 import sonar_fx
 from sonar_fx.models import build_model
+from sonar_fx.models.tiny import enable_activation_checkpointing
 
 from ablations import GRAPH_FAULT, inject_backward_fault, inject_backward_hook_fault, inject_graph_fault
 from helpers import CFG, assert_same_weights, batches
@@ -196,7 +197,7 @@ def test_a_fault_under_reentrant_checkpointing_is_an_interrupted_step():
     one must not pass for the end of the step (the tracker waits for the backward that began at the
     model's outputs), or the next backward would be taken for gradient accumulation."""
     model = _model("eager", "tiny-olmoe")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    assert enable_activation_checkpointing(model, {"use_reentrant": True})
     model.train()
     fault = inject_backward_hook_fault(model.model.layers[0])
     b0, b1, b2 = batches(3)

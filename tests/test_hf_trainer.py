@@ -32,7 +32,7 @@ from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config,
 from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
 from sonar_fx.models import build_model
 
-from helpers import assert_same_weights, weights_differ
+from helpers import assert_same_weights, known_library_failure, weights_differ
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay"),
@@ -41,6 +41,9 @@ pytestmark = [
 ]
 
 MODELS = ["tiny-qwen3moe", "tiny-olmoe"]
+# Sonar compiled (fp32 models) against the plain, eager Trainer.
+_VS_EAGER = known_library_failure(grouped_mm_compiled=torch.float32, compiled_vs_eager=True)
+COMPILERS_VS_EAGER = ["eager", pytest.param("aot_eager", marks=_VS_EAGER)]
 SEQ = 256
 TOKENIZER = ByteTokenizer()
 RECORDS = synthetic_records(12)
@@ -115,7 +118,7 @@ def sonar_run(model: nn.Module, compiler: str, out="unused", **compile_kwargs):
 # ---------------------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, compiler):
     model, trainer = sonar_run(build_model(model_name, seed=0), compiler)
@@ -167,7 +170,7 @@ def sft_run(compiler: str | None) -> tuple[nn.Module, SFTTrainer]:
     return model, trainer
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 def test_sft_trainer_equals_standard_with_trls_defaults(compiler):
     """Compiled, TRL's fused LM head replaces model.forward with a function that calls the backbone
     directly: SonarSFTTrainer compiles the backbone in its place, so every expert update is in-graph."""
@@ -209,7 +212,7 @@ def drop_in_run(trainer_cls, out, model_name="tiny-olmoe", overrides=CLIPPED, **
     return trainer.model, trainer, norms
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, compiler):
     """Swapping the class is the whole migration: the plain Trainer's all-parameter clip, accumulation of
     4 and scheduler, bitwise, with Sonar's memory (expert gradients from operands kept in backward)."""
@@ -278,7 +281,7 @@ def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_
         assert_same_weights(model, plain)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
     """TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, the fused LM head, the
     router's auxiliary loss) and the Trainer's all-parameter clip, accumulating 2 micro-batches."""

@@ -36,12 +36,15 @@ from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 from sonar_fx.passes import find_expert_grads
 
-from helpers import CFG, assert_same_weights, batches, weights_differ
+from helpers import CFG, assert_same_weights, batches, known_library_failure, weights_differ
 
 needs_triton = pytest.mark.skipif(
     find_spec("triton") is None,
     reason="triton is not installed: pip install -e '.[dev]' (or '.[scattermoe]')",
 )
+# scattermoe's Triton kernels, run by Triton's interpreter on CPU.
+INTERPRETED = known_library_failure(triton_interpreter=True)
+SCATTERMOE = pytest.param("scattermoe", marks=INTERPRETED)
 # Explicit tolerances against the fp32 reference (outputs and gradients are O(1) by construction).
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
 LAYOUTS = [
@@ -95,7 +98,7 @@ SONIC_LAYOUTS = [ExpertLayout(), ExpertLayout(gate_up="interleaved", activation=
 """The layouts sonic-moe fuses: SwiGLU and tanh-GeGLU, gate/up concatenated or interleaved."""
 CASES = [
     *[("torch", dtype, layout) for dtype in TOL for layout in LAYOUTS],
-    *[("scattermoe", torch.float32, layout) for layout in LAYOUTS],
+    *[pytest.param("scattermoe", torch.float32, layout, marks=INTERPRETED) for layout in LAYOUTS],
     *[("sonicmoe", torch.bfloat16, layout) for layout in SONIC_LAYOUTS],
 ]
 
@@ -142,6 +145,7 @@ def scatter_mm_ref(x, w_EKN, expert_S, order_S, fan_out, x_grouped, y_grouped):
 
 
 @needs_triton
+@INTERPRETED
 @pytest.mark.parametrize(
     ("x_grouped", "y_grouped"), [(False, True), (True, False), (True, True), (False, False)]
 )
@@ -232,7 +236,7 @@ def test_scattermoe_on_cpu_needs_the_interpreter_and_fp32(monkeypatch):
 
 
 @pytest.mark.parametrize("model_name", ["tiny-olmoe", "tiny-granitemoe", "tiny-reference"])
-@pytest.mark.parametrize("backend", ["torch", "scattermoe", "sonicmoe"])
+@pytest.mark.parametrize("backend", ["torch", SCATTERMOE, "sonicmoe"])
 def test_switched_model_gives_the_default_loss(model_name, backend, monkeypatch):
     activate(backend, monkeypatch)
     dtype = model_dtype(backend)
@@ -259,7 +263,11 @@ def trained_with(backend, method, *, compiler="eager", dtype=torch.float32, step
     return model, run
 
 
-EAGER_EXACT = [("torch", torch.float32), ("torch", torch.bfloat16), ("scattermoe", torch.float32)]
+EAGER_EXACT = [
+    ("torch", torch.float32),
+    ("torch", torch.bfloat16),
+    pytest.param("scattermoe", torch.float32, marks=INTERPRETED),
+]
 
 
 @pytest.mark.parametrize(("backend", "dtype"), [*EAGER_EXACT, ("sonicmoe", torch.bfloat16)])
@@ -300,7 +308,7 @@ def _op_name(node) -> str:
     return target._schema.name
 
 
-@pytest.mark.parametrize("backend", ["torch", "scattermoe", "sonicmoe"])
+@pytest.mark.parametrize("backend", ["torch", SCATTERMOE, "sonicmoe"])
 def test_pass_finds_each_backends_weight_gradient_op(backend, monkeypatch):
     activate(backend, monkeypatch)
     ((fw, bw, experts),) = backward_graphs(backend)
@@ -310,7 +318,13 @@ def test_pass_finds_each_backends_weight_gradient_op(backend, monkeypatch):
     assert all(g.readers for g in found), "the weight is read in backward (dX): placement must see it"
 
 
-@pytest.mark.parametrize("backend", [pytest.param("scattermoe", marks=pytest.mark.slow), "sonicmoe"])  # >10 s
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("scattermoe", marks=pytest.mark.slow),  # >10 s
+        pytest.param("sonicmoe", marks=known_library_failure(compiled_vs_eager=True)),
+    ],
+)
 def test_compiled_sonar_is_bitwise_standard_no_expert_clip_with_the_same_backend(backend, monkeypatch):
     activate(backend, monkeypatch)
     dtype = model_dtype(backend)

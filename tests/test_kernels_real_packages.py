@@ -33,7 +33,7 @@ from sonar_fx.experts.kernels.scattermoe import fp32_matmul_precision, implement
 from sonar_fx.experts.kernels.torch_backend import experts_forward_ref
 from sonar_fx.models import build_model
 
-from helpers import batches
+from helpers import batches, known_library_failure
 
 REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="triton is not installed")
@@ -135,8 +135,12 @@ def backward_allocations(backend: str, layout: ExpertLayout, dtype: torch.dtype)
 
 ONE_BUFFER_CASES = [
     ("torch", ExpertLayout(), torch.float32),
-    ("scattermoe", ExpertLayout(), torch.float32),
-    ("scattermoe", ExpertLayout(transposed=True), torch.float32),
+    *[
+        pytest.param(
+            "scattermoe", layout, torch.float32, marks=known_library_failure(triton_interpreter=True)
+        )
+        for layout in (ExpertLayout(), ExpertLayout(transposed=True))
+    ],
     ("sonicmoe", ExpertLayout(), torch.bfloat16),
 ]
 

@@ -19,7 +19,7 @@ import sonar_fx
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
-from helpers import CFG, assert_same_weights, batches, weights_differ
+from helpers import CFG, assert_same_weights, batches, known_library_failure, weights_differ
 
 LAYERS = 3  # at least three blocks share one graph
 
@@ -84,6 +84,7 @@ def test_regional_compile_with_inductor_is_exact(deterministic):
     assert_same_weights(model, twin)
 
 
+@known_library_failure(grouped_mm_compiled=torch.float32, compiled_vs_eager=True)
 def test_regional_per_microbatch_accumulation_equals_its_eager_twin():
     data = batches(4)
     with pytest.warns(UserWarning, match="per_microbatch"):

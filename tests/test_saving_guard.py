@@ -25,7 +25,7 @@ from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV, resolve_on_saving_lost
 
-from helpers import CFG, assert_same_weights, batches, weights_differ
+from helpers import CFG, assert_same_weights, batches, known_library_failure, weights_differ
 
 STEPS = 2
 EXPERT_TENSORS = 4  # tiny models: 2 layers x (gate_up_proj, down_proj)
@@ -62,6 +62,7 @@ def _sonar_step(model):
 # ------------------------------------------------------------------------------ batched_mm saves
 
 
+@known_library_failure(compiled_vs_eager=True)  # batched_mm, not grouped_mm: the twin trains eagerly
 def test_batched_mm_is_updated_in_graph_exactly_and_holds_one_tensor_at_a_time(batched_mm_twin):
     """transformers' batched_mm gathers the selected experts' weights (`w[expert_ids]`), so the backward
     saves the gathered copy, never the weight; the weight gradient is an index_put accumulation. The
@@ -79,6 +80,7 @@ def test_batched_mm_is_updated_in_graph_exactly_and_holds_one_tensor_at_a_time(b
     assert weights_differ(model, _batched_mm_model())
 
 
+@known_library_failure(compiled_vs_eager=True)
 def test_a_graph_that_leaves_expert_gradients_warns_and_its_peak_shows_them_all_alive(batched_mm_twin):
     """The control: without the weight hand-over (the state before it existed) the graph returns every
     expert gradient; the guard names them, the op and the bytes, and the meter's peak is every layer's
@@ -209,7 +211,12 @@ def test_step_warns_once_about_trainable_tensors_no_group_holds():
 
 
 @pytest.mark.parametrize(
-    ("compiler", "copier"), [("eager", "deepcopy"), ("eager", "pickle"), ("aot_eager", "deepcopy")]
+    ("compiler", "copier"),
+    [
+        ("eager", "deepcopy"),
+        ("eager", "pickle"),
+        pytest.param("aot_eager", "deepcopy", marks=known_library_failure(grouped_mm_compiled=torch.float32)),
+    ],
 )
 def test_a_copy_of_a_partly_frozen_model_trains_exactly_as_the_model(compiler, copier):
     torch._dynamo.reset()

@@ -131,7 +131,9 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": _LINEAR_THEN_FULL,
     "qwen3_next": _LINEAR_THEN_FULL,
     "qwen4_exp_text": {
-        "layer_types": ["linear_attention", "indexed_attention"],
+        # "full_attention", as the checkpoint names it: the config maps it to its indexed attention layer
+        # (called "indexed_attention" since transformers 5.18, "qwen_sparse_attention" in 5.17).
+        **_LINEAR_THEN_FULL,
         **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8),
         **dict(indexer_compress_ratio=4, hc_lowrank=16, ple_embed_dim=64, ngram_vocab_size_base=1024),
     },

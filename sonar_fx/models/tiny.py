@@ -70,3 +70,20 @@ def tiny_config(name: str, **overrides: Any) -> Any:
 
     cls_name, extra = TINY_MODELS[name]
     return getattr(transformers, cls_name)(**{**_SHARED, **extra, **overrides})
+
+
+def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None = None) -> bool:
+    """Turn on transformers' activation (gradient) checkpointing, passing `kwargs` (e.g.
+    `{"use_reentrant": True}`; None keeps transformers' defaults); False if `model` has none.
+
+    transformers 5.24 calls it `activation_checkpointing_enable` and deprecates the old name; 5.17 (the
+    GPU image's) and 5.18 have only `gradient_checkpointing_enable`."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable = enable or getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        return False
+    if kwargs is None:
+        enable()
+    else:
+        enable(kwargs)
+    return True

@@ -23,6 +23,7 @@ import torch
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.methods import Method, TrainingMethod, build_method
+from sonar_fx.models.tiny import enable_activation_checkpointing
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.planner.device import cuda_block_bytes, exact_bytes
@@ -155,10 +156,8 @@ class MethodRun:
 
 def enable_checkpointing(model: torch.nn.Module, name: str) -> None:
     """transformers' activation (gradient) checkpointing, with its default settings (non-reentrant)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is None:
+    if not enable_activation_checkpointing(model):
         raise PlanError(f"{name}: gradient checkpointing needs a transformers model.")
-    enable()
 
 
 def method_config(base: str, cfg: OptimizerConfig, fields: dict[str, object]) -> OptimizerConfig:
