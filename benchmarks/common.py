@@ -238,6 +238,23 @@ class Override:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Switch:
+    """A script's own flag without a value (`--real-size`): when given, the Config becomes `to(cfg)`."""
+
+    name: str
+    """The flag is `--<name>`; `args.<name with underscores>` holds whether it was given."""
+    help: str
+    to: Callable[[Any], Any]
+    """The Config the flag selects, from the one picked so far (`--quick`'s or the default)."""
+
+    def add_to(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument(f"--{self.name}", action="store_true", help=self.help)
+
+    def apply(self, cfg: C, args: argparse.Namespace) -> C:
+        return self.to(cfg) if getattr(args, self.name.replace("-", "_")) else cfg
+
+
+@dataclass(frozen=True, kw_only=True)
 class Invocation(Generic[C]):
     """One command-line run of a script: its options, its Config and the environment it started in."""
 
@@ -277,7 +294,7 @@ def start(
     *,
     default: C,
     quick: C,
-    overrides: Sequence[Override] = (),
+    overrides: Sequence[Override | Switch] = (),
 ) -> Invocation[C]:
     """The shared preamble of a CPU script: parse the shared options and `overrides`, apply the
     process-wide settings, pick `quick` or `default` and override its fields, note the environment."""

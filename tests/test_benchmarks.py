@@ -183,6 +183,18 @@ def test_start_picks_quick_applies_overrides_and_finish_writes_them(tmp_path, ca
     assert "## T" in capsys.readouterr().out
 
 
+def test_a_switch_selects_its_config_only_when_given():
+    switch = common.Switch(
+        name="long-run", help="more steps", to=lambda cfg: dataclasses.replace(cfg, steps=9)
+    )
+    given = common.start(
+        "fake", "Doc.", ["--long-run"], default=_Cfg(), quick=_Cfg(steps=2), overrides=[switch]
+    )
+    assert given.cfg == _Cfg(steps=9) and given.args.long_run
+    quick = common.start("fake", "Doc.", ["--quick"], default=_Cfg(), quick=_Cfg(steps=2), overrides=[switch])
+    assert quick.cfg == _Cfg(steps=2)  # not given: the config picked so far
+
+
 def _fake_report(tmp_path, value: str, script: str = "methods") -> None:
     headers = ["arm", "Δ peak", "saved / predicted MiB", "× standard", "step ms"]
     rows = [
