@@ -16,13 +16,18 @@ kernels' scratch), as they run here; the paper's rows are planned as the paper r
 (`--kernels sonicmoe`). docs/plan.md holds the full tables (written by this script between its
 markers: the CPU cases' section and the paper's); results.json the short ones and every record.
 `--cases none` plans the paper's rows only (a few minutes) and rewrites only the paper's section.
+`--real-size` plans and measures real layer shapes instead (`benchmarks.plan_real_size`: OLMoE-1B-7B's
+dimensions with 2 layers, Granite-3.1-1B-A400M whole; bf16, batch 1 and 2, seq 256; 13.1 GiB of
+resident memory at most, 40 minutes on 2 busy cores) and writes results/plan_accuracy_real_size.
 """
 
 from __future__ import annotations
 
+import gc
 import re
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,14 +35,14 @@ from typing import Any
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 
-from benchmarks import common
+from benchmarks import common, plan_real_size
 from benchmarks.common import Goal, Invocation, Table, grade
 from benchmarks.goals import GOALS
 from sonar_fx.config import AdamWConfig
-from sonar_fx.memory import measure_peak
+from sonar_fx.memory import measure_peak, process_peak_rss_bytes
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
-from sonar_fx.models.tiny import tiny_config
+from sonar_fx.models.tiny import BYTE_VOCAB, tiny_config
 from sonar_fx.planner import Plan, plan
 from sonar_fx.planner.run import enable_checkpointing
 from sonar_fx.workload import random_batches
@@ -71,6 +76,8 @@ FAMILIES = {
     "qwen3moe": Family(base="tiny-qwen3moe", overrides=dict(
         num_experts=32, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+    "olmoe-1b-7b-2l": Family(base="tiny-olmoe", overrides=plan_real_size.OLMOE_2L),
+    "granite-3.1-1b-a400m": Family(base="tiny-granitemoe", overrides=plan_real_size.GRANITE_1B),
 }  # fmt: skip
 
 
@@ -125,6 +132,13 @@ DEFERRED_CASES = (
     Case(family="granitemoe", batch=4, grad_accum=4, methods=DEFERRED),  # down_proj crosses over
 )  # fmt: skip
 """The deferred schedule against standard, with accumulation, below and past a tensor's crossover."""
+REAL_CASES = tuple(
+    Case(family=family, batch=batch, seq=256, methods=plan_real_size.METHODS)
+    for family in ("olmoe-1b-7b-2l", "granite-3.1-1b-a400m")
+    for batch in (1, 2)
+)
+"""Real layer shapes (`--real-size`), one model in memory at a time (each record's
+`peak_rss`: the process's high-water mark so far)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,13 +191,27 @@ class Config:
     """Goal: each predicted saving within this fraction of the measured saving."""
     cost_goal_s: float = GOALS["plan_accuracy.cost_s"].threshold
     """Goal: a full-size OLMoE-1B-7B plan of the four default methods takes less."""
+    timed_steps: int = 0
+    """Steps run after the measured one, timed without the profiler (the real-size step times)."""
 
 
 QUICK = Config(cases=CASES[:1] + CASES[6:7] + DEFERRED_CASES[1:2], paper_rows=PAPER_ROWS[8:], sweep={})
 
 
-def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
-    """Plan `case` on fake CPU tensors, then measure the same step on real ones; one record per method."""
+REAL_SIZE = common.Mode(
+    flag="--real-size",
+    script=f"{SCRIPT}_real_size",
+    question="Question: at real layer shapes, how close is the plan to the measured step (peak, saving)?",
+    default=replace(Config(), cases=REAL_CASES, paper_rows=(), sweep={}, timed_steps=1),
+    quick=replace(QUICK, cases=REAL_CASES[:1], paper_rows=(), sweep={}, timed_steps=1),
+)
+"""Real layer shapes instead (`--quick`: OLMoE's batch 1 only), no paper rows."""
+MODES = [REAL_SIZE]
+
+
+def measure_case(case: Case, methods: Sequence[str], timed_steps: int = 0) -> list[dict[str, Any]]:
+    """Plan `case` on fake CPU tensors, then measure the same step on real ones; one record per method
+    (then `timed_steps` more steps, timed)."""
     methods = case.methods or methods
     family, dtype = FAMILIES[case.family], {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
     bits = dict(state_bits=case.state_bits, dense_state_bits=case.dense_state_bits)
@@ -201,37 +229,59 @@ def measure_case(case: Case, methods: Sequence[str]) -> list[dict[str, Any]]:
     )
     records = []
     for name in methods:
-        model = build_model(family.base, dtype=dtype, seed=0, **family.overrides).train()
-        if case.checkpointing:
-            enable_checkpointing(model, case.label)
-        method = build_method(name, model, cfg)
-        batches = random_batches(2 * case.grad_accum, batch=case.batch, seq=case.seq)
-        first, second = batches[: case.grad_accum], batches[case.grad_accum :]
-        method.train_step(first)  # creates the optimizer states, as the plan's first step does
-        start = _bytes_alive(model, method.optimizers, second)
-        _, peak = measure_peak(partial(method.train_step, second))
         mine = predicted.method(name)
-        deferred = getattr(method.optimizer, "deferred", None) if name == "sonar_deferred" else None
         records.append(
             {
                 "case": asdict(case),
                 "label": case.label,
                 "method": name,
-                "measured_transient": peak.peak_bytes,
                 "predicted_transient": mine.transient_bytes,
-                "measured_start": start,
                 "predicted_start": mine.step_start_bytes,
                 "predicted_peak": mine.peak_allocated_bytes,
                 "categories": mine.categories,
                 "predicted_saving_formula": predicted.expert_grad.predicted_saving,
                 "plan_seconds": predicted.seconds,
                 "predicted_kept": mine.kept_operand_bytes,
-                "measured_kept": None if deferred is None else deferred.last_peak_bytes,
                 "predicted_crossed": list(mine.crossed_over),
-                "measured_crossed": [] if deferred is None else sorted(deferred.crossed),
+                **_measured_step(case, name, cfg, timed_steps),
             }
         )
+        gc.collect()  # the arm's model and states (hooks hold cycles) go before the next is built
     return records
+
+
+def _measured_step(case: Case, name: str, cfg: AdamWConfig, timed_steps: int) -> dict[str, Any]:
+    """Step 2 of `case` with method `name` on real CPU tensors: its transient peak, the bytes alive at
+    its start, the deferred schedule's report, and the time of each step after it."""
+    family, dtype = FAMILIES[case.family], {"bf16": torch.bfloat16, "fp32": torch.float32}[case.dtype]
+    model = build_model(family.base, dtype=dtype, seed=0, **family.overrides).train()
+    if case.checkpointing:
+        enable_checkpointing(model, case.label)
+    method = build_method(name, model, cfg)
+    n = (2 + timed_steps) * case.grad_accum
+    vocab = int(family.overrides.get("vocab_size", BYTE_VOCAB))  # ids over the model's whole vocabulary
+    batches = random_batches(n, vocab=vocab, batch=case.batch, seq=case.seq)
+    steps = [batches[i : i + case.grad_accum] for i in range(0, len(batches), case.grad_accum)]
+    method.train_step(steps[0])  # creates the optimizer states, as the plan's first step does
+    start = _bytes_alive(model, method.optimizers, steps[1])
+    began = time.perf_counter()
+    _, peak = measure_peak(partial(method.train_step, steps[1]))
+    profiled = time.perf_counter() - began
+    deferred = getattr(method.optimizer, "deferred", None) if name == "sonar_deferred" else None
+    measured = {
+        "measured_transient": peak.peak_bytes,
+        "measured_start": start,
+        "measured_kept": None if deferred is None else deferred.last_peak_bytes,
+        "measured_crossed": [] if deferred is None else sorted(deferred.crossed),
+    }
+    if not timed_steps:
+        return measured
+    times = []
+    for step in steps[2:]:
+        began = time.perf_counter()
+        method.train_step(step)
+        times.append(time.perf_counter() - began)
+    return measured | {"step_s": times, "profiled_step_s": profiled, "peak_rss": process_peak_rss_bytes()}
 
 
 def _bytes_alive(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], batches: list[dict]) -> int:
@@ -579,12 +629,20 @@ def main(argv: list[str] | None = None) -> None:
     cases = common.Override(
         field="cases", choices=("none",), help="none: plan the paper's rows only", parse=lambda _: ()
     )
-    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases])
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases], modes=MODES)
     cfg = inv.cfg
     records = []
     for case in cfg.cases:
-        print(f"case {case.label}: planning and measuring {', '.join(cfg.methods)}", flush=True)
-        records += measure_case(case, cfg.methods)
+        print(
+            f"case {case.label}: planning and measuring {', '.join(case.methods or cfg.methods)}", flush=True
+        )
+        records += measure_case(case, cfg.methods, cfg.timed_steps)
+    if inv.script == REAL_SIZE.script:
+        rows = plan_real_size.rows(records)
+        tables = [plan_real_size.table(rows, cfg.tolerance, cfg.saving_tolerance)]
+        goal_list = plan_real_size.goals(rows, cfg.tolerance, cfg.saving_tolerance)
+        inv.finish(tables, goals=goal_list, records=records)
+        return
     plans = paper_plans(cfg) if cfg.paper_rows else {}
     acc, paper, sweep = accuracy_rows(records), paper_rows(cfg, plans), sweep_rows(cfg, plans)
     goal_list = goals(cfg, acc, paper, plans, sweep)

@@ -386,6 +386,31 @@ def test_accuracy_benchmark_tables_and_doc_section(tmp_path):
     assert "+1.00%" in text and "MISSED" in text
 
 
+def test_real_size_rows_grade_each_arm_against_standard_of_its_case():
+    """benchmarks.plan_real_size's bookkeeping on hand-made records: peaks, savings, the MISSED mark."""
+    from benchmarks import plan_accuracy, plan_real_size
+
+    def record(method, predicted, measured, label="a"):
+        case = {"family": "olmoe-1b-7b-2l", "batch": 1}
+        return dict(case=case, label=label, method=method, predicted_transient=predicted, step_s=[2.0, 4.0],
+                    measured_transient=measured, measured_start=9000, predicted_peak=9000 + predicted,
+                    profiled_step_s=5.0)  # fmt: skip
+
+    records = [record("standard", 1000, 1000), record("sonar", 400, 400), record("sonar_deferred", 520, 500),
+               record("standard", 1000, 990, label="b")]  # fmt: skip
+    rows = plan_real_size.rows(records)
+    assert [r["transient_error"] for r in rows] == [0, 0, pytest.approx(0.04), pytest.approx(1 / 99)]
+    assert rows[1]["measured_saving"] == 600 and rows[2]["saving_error"] == pytest.approx(480 / 500 - 1)
+    assert "planned_saving" not in rows[0] and "planned_saving" not in rows[3]  # another case's standard
+    assert rows[2]["peak_error"] == pytest.approx(20 / 9500) and rows[0]["step_s"] == 3.0
+    table = plan_real_size.table(rows, 0.03, 0.05)
+    assert table.rows[2][6] == "+4.00% MISSED" and table.rows[2][8] == "-4.00%"
+    goals = plan_real_size.goals(rows, 0.03, 0.05)
+    assert [g.status for g in goals] == ["MISSED", "met", "met"]
+    cfg = plan_accuracy.real_size(plan_accuracy.QUICK)
+    assert cfg.cases == plan_accuracy.REAL_CASES[:1] and not cfg.paper_rows and cfg.timed_steps == 1
+
+
 # The deferred schedule with 4 micro-batches per step: its kept operands and its crossover.
 ACCUM = 4
 
