@@ -14,7 +14,6 @@ import weakref
 import pytest
 import torch
 from torch.distributed._tools import mod_tracker
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import sonar_fx
 from sonar_fx.cli import main
@@ -156,11 +155,13 @@ def test_tracker_frees_a_graph_when_its_backward_ends_as_a_real_step_does():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), holds, torch.nn.Linear(4, 4))
     gc.disable()  # a real step frees its graph by reference counting alone
     try:
-        for tracker in (StepTracker(), MemTracker(), contextlib.nullcontext()):
+        # torch's own MemTracker keeps the tensor (the cycle); not run here as a control: with the garbage
+        # collector off, its cycle crashed the interpreter when a later frame freed the model (seen after
+        # a profiled test on the same worker). Without `_graph_hooks_released` StepTracker keeps it too.
+        for tracker in (StepTracker(), contextlib.nullcontext()):
             with tracker:
                 model(torch.randn(2, 4)).sum().backward()
-                alive = holds.held[-1]() is not None
-            assert alive == (type(tracker) is MemTracker), tracker  # control: torch's own tracker keeps it
+                assert holds.held[-1]() is None, tracker
     finally:
         gc.enable()
     assert mod_tracker.register_multi_grad_hook is torch.autograd.graph.register_multi_grad_hook
