@@ -408,7 +408,7 @@ def test_real_size_rows_grade_each_arm_against_standard_of_its_case():
     assert table.rows[2][6] == "+4.00% MISSED" and table.rows[2][8] == "-4.00%"
     goals = plan_real_size.goals(rows, 0.03, 0.05)
     assert [g.status for g in goals] == ["MISSED", "met", "met"]
-    cfg = plan_accuracy.real_size(plan_accuracy.QUICK)
+    cfg = plan_accuracy.REAL_SIZE.quick
     assert cfg.cases == plan_accuracy.REAL_CASES[:1] and not cfg.paper_rows and cfg.timed_steps == 1
 
 
