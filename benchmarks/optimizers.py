@@ -26,7 +26,7 @@ import torch
 from torch.utils.benchmark import timer
 
 from benchmarks import common
-from benchmarks.common import Goal, Table, goal, mib
+from benchmarks.common import Goal, Output, Table, goal, mib
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
@@ -76,10 +76,9 @@ class Config:
     """Which tables to measure (`--only`); a run of some of them writes results/optimizers_<names>/."""
 
 
-QUICK = Config(overrides=dict(hidden_size=128, intermediate_size=128, num_experts=8, num_hidden_layers=2),
-               seq=64, warmup=1, rounds=4,
-               muon_overrides=dict(hidden_size=32, intermediate_size=32, num_experts=8,
-                                   num_hidden_layers=2))  # fmt: skip
+TINY = dict(hidden_size=32, intermediate_size=32, num_experts=4, num_hidden_layers=2)
+QUICK = Config(overrides=TINY, muon_overrides=TINY, seq=16, warmup=1, rounds=2)
+"""A smoke run: every arm of every table on a tiny model, two timed rounds."""
 LR = 1e-3
 OPTIMIZERS: dict[str, OptimizerConfig] = {
     "adamw": AdamWConfig(lr=LR),
@@ -348,39 +347,34 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    inv = common.start(
-        SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
-        overrides=[common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler"),
-                   common.Override(field="only", choices=TABLES, many=True,
-                                   help="measure only these tables (results/optimizers_<names>/)")],
-    )  # fmt: skip
-    run = inv.cfg
-    if tuple(run.only) != TABLES:  # a partial run never replaces the full results
-        inv = replace(inv, script="_".join((SCRIPT, *run.only)))
-    tables, arms, all_goals = [], [], []
-    if "optimizers" in run.only:
-        opt_table, opt_arms = optimizer_table(run)
-        tables.append(opt_table)
-        arms += opt_arms
-    low = lowbit_table(run) if run.lowbit and "lowbit" in run.only else None
-    if "clipping" in run.only:
-        clip_table, clip_arms = clipping_table(run)
-        tables.append(clip_table)
-        arms += clip_arms
-        all_goals += goals(clip_arms, low[1] if low else None)
-    if low is not None:
-        tables.append(low[0])
-        arms += low[1]
-    if "muon" in run.only:
-        muon, muon_arms = muon_table(run)
-        tables.append(muon)
-        arms += muon_arms
-        all_goals += muon_goals(muon_arms)
+def run(cfg: Config) -> Output:
+    """The tables of `cfg.only`, measured in this order (low-bit before clipping: its goal needs both)."""
+    measure = {"optimizers": optimizer_table, "lowbit": lowbit_table, "clipping": clipping_table,
+               "muon": muon_table}  # fmt: skip
+    found = {}
+    for name in ("optimizers", "lowbit", "clipping", "muon"):
+        if name in cfg.only and (cfg.lowbit or name != "lowbit") and (out := measure[name](cfg)) is not None:
+            found[name] = out
+    found_goals = []
+    if "clipping" in found:
+        found_goals += goals(found["clipping"][1], found["lowbit"][1] if "lowbit" in found else None)
+    if "muon" in found:
+        found_goals += muon_goals(found["muon"][1])
+    shown = [name for name in TABLES if name in found]
     records = [{"arm": arm.label, "step_s": arm.step_s, "peak_bytes": arm.peak_bytes,
                 "state_bytes": arm.state_bytes, "expert_state_bytes": arm.expert_state_bytes,
-                "error": arm.error} for arm in arms]  # fmt: skip
-    inv.finish(tables, goals=all_goals, records=records)
+                "error": arm.error} for name in shown for arm in found[name][1]]  # fmt: skip
+    partial_run = (
+        None if tuple(cfg.only) == TABLES else "_".join((SCRIPT, *cfg.only))
+    )  # never the full results
+    return Output(tables=[found[n][0] for n in shown], goals=found_goals, records=records, script=partial_run)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    overrides = [common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler"),
+                 common.Override(field="only", choices=TABLES, many=True,
+                                 help="measure only these tables (results/optimizers_<names>/)")]  # fmt: skip
+    common.main(SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=overrides)
 
 
 if __name__ == "__main__":
