@@ -198,7 +198,7 @@ def load_reports(results_dir: Path) -> dict[str, dict[str, Any]]:
 def parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     """The options every script shares: --quick, --out, --threads (`module`: "benchmarks.methods")."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a smoke run: every code path, tiny and short")
+    p.add_argument("--quick", action="store_true", help="a short run (fewer steps and configurations)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results)")
     threads = "torch intra-op threads (default: torch's). On a shared machine 1 keeps timings stable."
     p.add_argument("--threads", type=int, default=None, help=threads)
