@@ -93,11 +93,10 @@ MUON = MuonConfig(lr=LR)
 class Arm(ArmResult):
     """One trained setup: how to build it, and what it measured."""
 
-    build: Callable[[], tuple[torch.nn.Module, TrainingMethod]]
+    build: Callable[[], TrainingMethod]
     expert_state_bytes: int = 0
     state_bytes: int = 0
     """Every optimizer state tensor of the arm (dense and experts)."""
-    model: torch.nn.Module | None = None
     method: TrainingMethod | None = None
 
 
@@ -111,13 +110,13 @@ def _arm(
     nonfinite: str = "raise",
     overrides: dict[str, Any] | None = None,
 ) -> Arm:
-    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+    def build() -> TrainingMethod:
         model = build_model(run.model, seed=0, **(run.overrides if overrides is None else overrides))
         extra: dict[str, Any] = {"nonfinite": nonfinite} if Method.named(method).sonar else {}
         m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
             m.optimizer.clipper.track_norms = norms
-        return model, m
+        return m
 
     return Arm(label=label, build=build)
 
@@ -153,7 +152,7 @@ def run_arms(arms: Sequence[Arm], run: Config) -> None:
     torch._dynamo.reset()
     with side_by_side():
         for arm in arms:
-            arm.model, arm.method = arm.build()
+            arm.method = arm.build()
             step = partial(_synced_step, arm.method)
             measure_arm(arm, step, data[: run.warmup], data[run.warmup])
             arm.expert_state_bytes = _expert_state_bytes(arm.method)
@@ -244,7 +243,7 @@ class RuleAtStep(torch.optim.Optimizer):
 def _muon_at_step(run: Config) -> Arm:
     """Muon at step() with Sonar's batched expert update, and the same dense recipe as the twin."""
 
-    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+    def build() -> TrainingMethod:
         model = build_model(run.model, seed=0, **run.muon_overrides)
         method = build_method("standard_no_expert_clip", model, MUON, compiler=run.compiler)
         layers = discover_experts(model)
@@ -253,7 +252,7 @@ def _muon_at_step(run: Config) -> Arm:
         dense = [p for p in params if id(p) not in experts]
         method.optimizer = end_of_step_optimizer(MUON, dense, matrices=matrix_params(MUON, model, layers))
         method.expert_optimizer = RuleAtStep([p for p in params if id(p) in experts], MuonRule(), MUON)
-        return model, method
+        return method
 
     return Arm(label="muon at step() (same batched math)", build=build)
 
