@@ -86,8 +86,8 @@ bench: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m $$(echo $$b | tr , ' ') $(BENCH_ARGS) || exit 1; done
 	$(PY) -m benchmarks.readme
 
-# Every run above, small, into build/bench-quick (results/ and the docs stay as they are): a check that
-# each script and option runs, in minutes.
+# Every run above as a smoke run, into build/bench-quick (results/ and the docs stay as they are): a check
+# that each script and option runs (tiny models, two timed rounds; about 6 minutes on two shared cores).
 bench-quick: $(STAMP)
 	for b in $(BENCHMARKS); do $(PY) -m $$(echo $$b | tr , ' ') --quick --out build/bench-quick $(BENCH_ARGS) \
 		|| exit 1; done

@@ -1,9 +1,9 @@
-"""The benchmark harness: environment header, spread statistics, tables, results I/O and the CLI.
+"""The benchmark harness: environment header, grading, tables, results I/O and the command line.
 
 Every script states the hardware, the torch version and the load of the machine it ran on, reports a
 spread (median, quartiles: `sonar_fx.measure.Spread`) for every timing, prints its tables with tabulate
 and writes them, with the raw measurements, to `results/<script>/results.json`, from which
-`benchmarks.readme` regenerates the README. This module never builds models, trains or measures; see
+`benchmarks.readme` regenerates the docs. This module never builds models, trains or measures; see
 `workload`, `arms` and `sonar_fx.measure`.
 """
 
@@ -18,7 +18,7 @@ import os
 import shlex
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from benchmarks.goals import GOALS, Want
 from sonar_fx.environment import Environment
-from sonar_fx.measure import SIDE_BY_SIDE, Spread
+from sonar_fx.measure import SIDE_BY_SIDE, Spread, fmt_ratio
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 RESULTS_DIR = Path("results")
 C = TypeVar("C", bound="DataclassInstance")
 """A script's frozen `Config` dataclass."""
+Draw = Callable[[Any], Any]
+"""`draw(pyplot)` returns a matplotlib figure."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,15 @@ class Table:
 
     def render(self, fmt: str = "simple") -> str:
         return tabulate(self.rows, headers=self.headers, tablefmt=fmt, disable_numparse=True)
+
+
+def failed(cells: Sequence[Any], error: str | None, width: int) -> list[str]:
+    """A row of `width` cells for an arm that did not measure: `cells`, its error, then dashes."""
+    return [*map(str, cells), f"failed: {error}", *["-"] * (width - len(cells) - 1)]
+
+
+def mib(nbytes: float) -> float:
+    return nbytes / 2**20
 
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
@@ -95,7 +106,7 @@ def worst(*statuses: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Goal:
-    """A target from the issue, measured (never asserted: timings belong in benchmarks, not tests)."""
+    """A target, measured (never asserted: timings belong in benchmarks, not tests)."""
 
     name: str
     target: str
@@ -110,17 +121,11 @@ class Goal:
 
 
 def goal(key: str, name: str, measured: Spread | float | None, shown: str | None = None) -> Goal:
-    """The goal `key` of `benchmarks.goals`, graded by `grade`: `shown` is the measured cell (default: the
-    value, or "-" when not measured)."""
+    """The goal `key` of `benchmarks.goals`, graded by `grade`: `shown` is the measured cell (default: a
+    Spread as a time ratio, a number to 3 digits, "-" when not measured)."""
     t = GOALS[key]
     if shown is None:
-        shown = (
-            "-"
-            if measured is None
-            else measured.fmt(2)
-            if isinstance(measured, Spread)
-            else f"{measured:.3g}"
-        )
+        shown = fmt_ratio(measured) if measured is None or isinstance(measured, Spread) else f"{measured:.3g}"
     return Goal(name=name, target=t.target, measured=shown, status=grade(measured, t.threshold, t.want))
 
 
@@ -142,7 +147,7 @@ class Report:
 
     script: str
     command: str
-    """The command line that produced this file, shown beside its tables in the README."""
+    """The command line that produced this file, shown beside its tables in the docs."""
     env: Environment
     config: dict[str, Any]
     tables: list[Table]
@@ -157,14 +162,11 @@ class Report:
 
 
 def emit(report: Report, out_dir: Path) -> Path:
-    """Print the report's tables and write results.json; returns its path."""
+    """Print the report's tables (its goals last) and write results.json; returns its path."""
     end = "" if report.load_avg_end is None else ", load at the end " + _load(report.load_avg_end)
     print(f"\n# {report.script}: {report.command}\n# {report.env.line()}{end}")
-    tables = [*report.tables, goals_table(report.goals)] if report.goals else report.tables
-    for table in tables:
-        print(f"\n## {table.title}\n{table.render()}")
-        if table.note:
-            print(table.note)
+    for table in [*report.tables, *([goals_table(report.goals)] if report.goals else [])]:
+        print(f"\n## {table.title}\n{table.render()}" + (f"\n{table.note}" if table.note else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
     path.write_text(json.dumps(dataclasses.asdict(report), indent=1, default=_jsonable) + "\n")
@@ -194,17 +196,12 @@ def load_reports(results_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def parser(module: str, doc: str | None) -> argparse.ArgumentParser:
-    """The options every script shares: --quick, --out, --threads, --seed (`module`: "benchmarks.methods")."""
+    """The options every script shares: --quick, --out, --threads (`module`: "benchmarks.methods")."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (fewer steps and configurations)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads (default: torch's). On a shared machine 1 keeps timings stable.",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    threads = "torch intra-op threads (default: torch's). On a shared machine 1 keeps timings stable."
+    p.add_argument("--threads", type=int, default=None, help=threads)
     return p
 
 
@@ -222,8 +219,7 @@ def setup(args: argparse.Namespace) -> None:
 
 
 def command(module: str, argv: Sequence[str] | None = None) -> str:
-    args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", "-m", module, *args])
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +227,6 @@ class Override:
     """A script's own flag that, when given, replaces one field of its Config (`--shape` -> `shape`)."""
 
     field: str
-    """The Config field; the flag is `--<field>`."""
     choices: Sequence[str]
     help: str
     many: bool = False
@@ -240,8 +235,9 @@ class Override:
     """Turns a chosen value into the field's (`Execution.from_label` for executions)."""
 
     def add_to(self, p: argparse.ArgumentParser) -> None:
-        nargs = "+" if self.many else None
-        p.add_argument(f"--{self.field}", nargs=nargs, choices=self.choices, help=self.help)
+        p.add_argument(
+            f"--{self.field}", nargs="+" if self.many else None, choices=self.choices, help=self.help
+        )
 
     def apply(self, cfg: C, args: argparse.Namespace) -> C:
         value = getattr(args, self.field)
@@ -254,9 +250,22 @@ class Override:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Output:
+    """What one run found: its tables, goals, raw records and pictures."""
+
+    tables: list[Table]
+    goals: list[Goal] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    figures: Mapping[str, Draw] = field(default_factory=dict)
+    """PNG name -> how to draw it (skipped without matplotlib)."""
+    script: str | None = None
+    """The results name when it is not the invocation's (a partial run: `optimizers_muon`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Mode:
     """An option of a script that answers a neighbouring question (`--batch-sweep` of `methods`), with its
-    own Config and its own results folder."""
+    own Config, run and results folder."""
 
     flag: str
     script: str
@@ -265,6 +274,7 @@ class Mode:
     """Shown above its tables in the docs (the script's own question is its docstring's first line)."""
     default: Any
     quick: Any
+    run: Callable[[Any], Output]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +290,6 @@ class Invocation(Generic[C]):
 
     @property
     def out(self) -> Path:
-        """The folder results.json and any PNG go to: `--out` / script."""
         return self.args.out / self.script
 
     def finish(
@@ -299,21 +308,26 @@ class Invocation(Generic[C]):
         )  # fmt: skip
         return emit(report, self.out)
 
-    def figure(self, name: str, draw: Callable[[Any], Any], dpi: int = 120) -> list[str]:
-        """`draw(pyplot)` returns a figure, saved as `name` beside results.json: [name], or [] without
-        matplotlib."""
-        try:
-            import matplotlib
+    def write(self, output: Output) -> Path:
+        """`finish` with `output`, its figures drawn beside results.json."""
+        inv = dataclasses.replace(self, script=output.script or self.script)
+        images = [name for name, draw in output.figures.items() if _save_figure(inv.out / name, draw)]
+        return inv.finish(output.tables, goals=output.goals, records=output.records, images=images)
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return []
-        fig = draw(plt)
-        self.out.mkdir(parents=True, exist_ok=True)
-        fig.savefig(self.out / name, dpi=dpi)
-        plt.close(fig)
-        return [name]
+
+def _save_figure(path: Path, draw: Draw) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig = draw(plt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def start(
@@ -327,20 +341,19 @@ def start(
     modes: Sequence[Mode] = (),
     module: str | None = None,
 ) -> Invocation[C]:
-    """The shared preamble of a CPU script: parse the shared options, `overrides` and the flag of at most
-    one of `modes` (which then gives the script name and Configs), apply the process-wide settings, pick
-    `quick` or `default` and override its fields, note the environment. `module`: the command's module
-    (default benchmarks.<script>)."""
+    """Parse the shared options, `overrides` and the flag of at most one of `modes` (which then gives the
+    results name and the Configs), apply the process-wide settings, pick `quick` or `default` and
+    override its fields, note the environment. `module`: the command's (default benchmarks.<script>)."""
     module = module or f"benchmarks.{script}"
     p = parser(module, doc)
     for o in overrides:
         o.add_to(p)
     group = p.add_mutually_exclusive_group()
     for m in modes:
-        group.add_argument(m.flag, dest="mode", action="store_const", const=m.script, help=m.question)
+        group.add_argument(m.flag, dest="mode", action="store_const", const=m, help=m.question)
     args = p.parse_args(argv)
     setup(args)
-    mode = next((m for m in modes if m.script == getattr(args, "mode", None)), None)
+    mode: Mode | None = getattr(args, "mode", None)
     if mode is not None:
         script, default, quick = mode.script, mode.default, mode.quick
     cfg = quick if args.quick else default
@@ -349,5 +362,18 @@ def start(
     return Invocation(script=script, command=command(module, argv), args=args, cfg=cfg, env=Environment.now())
 
 
-def mib(nbytes: float) -> float:
-    return nbytes / 2**20
+def main(
+    script: str,
+    doc: str | None,
+    argv: Sequence[str] | None,
+    *,
+    run: Callable[[Any], Output],
+    default: Any,
+    quick: Any,
+    overrides: Sequence[Override] = (),
+    modes: Sequence[Mode] = (),
+) -> Path:
+    """A script's whole command line: `start`, then `run` (or the chosen mode's) on the Config, `write`."""
+    inv = start(script, doc, argv, default=default, quick=quick, overrides=overrides, modes=modes)
+    mode: Mode | None = getattr(inv.args, "mode", None)
+    return inv.write((mode.run if mode else run)(inv.cfg))

@@ -4,48 +4,37 @@ Compiled standard vs Sonar's compiled pass, with inductor and with aot_eager (sa
 from a cold cache every time (a fresh inductor cache directory and no FX-graph or AOTAutograd cache
 hits), so neither arm is served a graph the other compiled. Compile overhead = the first train step
 (forward and backward compiles, wherever an arm does them, and the optimizer step) minus a steady
-step's median. Arms alternate order between repeats; the spread is over repeats.
+step's median. Arms alternate order between repeats; the spread is over repeats. Then regional
+compilation (`sonar_fx.compile(..., regional=True)`: each repeated decoder block compiled once) against
+whole-model compilation of the pass, at L = 4 and 16 blocks: compile time and graph counts.
 
-Regional compilation (`sonar_fx.compile(..., regional=True)`: each repeated decoder block compiled once,
-one graph reused for all L blocks) against whole-model compilation of the pass, inductor, cold cache,
-at L = 4 and L = 16 blocks: compile time and graph counts (dynamo graphs captured, backward graphs the
-pass rewrote). Rows say "not available" where `sonar_fx.compile` has no `regional` option.
-
-`--endurance`: does a long Sonar run stay healthy: flat memory, no recompiles, steady step time?
-
-2,000 steps of a tiny OLMoE (`olmoe-micro`, fp32) with Sonar, under an LR schedule that changes the LR
-every step (an LR read at compile time would recompile or go stale), in each execution: eager hooks,
-the compiled pass with aot_eager and with inductor. Arms run one after another, each alone, so the
-process's resident memory (RSS, sampled after every step) belongs to one arm. After a warm-up (the
-first steps compile and allocate optimizer state) it reports:
-- RSS: the least-squares slope over the remaining steps (KiB per 1,000 steps) and its growth;
-- the transient bytes of one step right after warm-up and of the last step (`sonar_fx.measure`);
-- compiles after warm-up: dynamo frame compiles, graphs, and `SonarOptimizer.report()["recompiles"]`;
-- step time: the median of the last quarter of the steps over that of the first quarter, in CPU time
-  (`time.process_time`: on a shared machine, time spent waiting for a core does not count, so load
-  from other processes moves it far less than wall time) and in wall time.
-JSON and a PNG (RSS and step time over the steps). Never asserts; the goals say what was met.
+`--endurance`: 2,000 steps of a tiny OLMoE (`olmoe-micro`, fp32) with Sonar, eager hooks and the
+compiled pass (aot_eager, inductor), under an LR that changes every step (an LR read at compile time
+would recompile or go stale). Arms run one after another, so the process's resident memory (RSS, after
+every step) is one arm's. After a warm-up: the RSS slope, the transient bytes of the first and last
+step, compiles after warm-up (dynamo frames, graphs, `SonarOptimizer.report()["recompiles"]`) and the
+step-time drift (last quarter over first, in process CPU time, which waiting for a core on a shared
+machine does not inflate, and in wall time).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache  # private, but the supported way to get a cold cache
 
-import sonar_fx
 from benchmarks import common
 from benchmarks.arms import Arm
-from benchmarks.common import Goal, Invocation, Mode, Table, goal, mib, worst
+from benchmarks.common import Goal, Mode, Output, Table, failed, goal, mib, worst
 from benchmarks.workload import SHAPES, ModelShape, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, short_error, side_by_side
@@ -74,15 +63,9 @@ class Config:
     regional_compiler: str = "inductor"
 
 
-QUICK = Config(compilers=("inductor",), repeats=1, steady_steps=2, regional_layers=(2,))
-
-
-def measure_once(arm: Arm, shape: ModelShape, w: Workload, data: list[Batch]) -> dict[str, Any]:
-    """One cold compile of `arm`: phase times of the first step, then steady steps."""
-    return {
-        "arm": arm.label,
-        **cold_run(lambda: arm.build(shape.build(w.torch_dtype), AdamWConfig(lr=1e-3)), data),
-    }
+# A smoke run: the micro model, aot_eager (the same pass, no codegen), one repeat, one regional depth.
+QUICK = Config(shape="olmoe-micro", compilers=("aot_eager",), repeats=1, steady_steps=2, regional_layers=(2,),
+               regional_compiler="aot_eager")  # fmt: skip
 
 
 def cold_run(build: Callable[[], TrainingMethod], data: list[Batch]) -> dict[str, Any]:
@@ -119,50 +102,13 @@ def cold_run(build: Callable[[], TrainingMethod], data: list[Batch]) -> dict[str
     }
 
 
-def regional_available() -> bool:
-    """Whether this sonar_fx has `compile(..., regional=True)` (one graph per repeated block)."""
-    return "regional" in inspect.signature(sonar_fx.compile).parameters
+def run(cfg: Config) -> Output:
+    records, regional = run_compile(cfg), run_regional(cfg)
+    tables = [table(records)] + ([regional_table(regional, cfg.regional_compiler)] if regional else [])
+    return Output(tables=tables, records=[*records, *({"section": "regional", **r} for r in regional)])
 
 
-def run_regional(cfg: Config) -> list[dict[str, Any]]:
-    """Whole-model vs regional compile of the pass (cold cache) at each of `regional_layers`."""
-    if not cfg.regional_layers:
-        return []
-    if not regional_available():
-        print("  regional: sonar_fx.compile has no regional= option here; rows marked not available")
-        return [
-            {"layers": n, "regional": r, "error": "not available"}
-            for n in cfg.regional_layers
-            for r in (False, True)
-        ]
-    w = cfg.workload
-    data = make_batches(1 + cfg.steady_steps, w.batch, w.seq)
-    records = []
-    for layers in cfg.regional_layers:
-        shape = dataclasses.replace(SHAPES[cfg.shape], layers=layers)
-        for regional in (False, True):
-            print(
-                f"  {cfg.regional_compiler} pass, L={layers}, {'regional' if regional else 'whole model'}",
-                flush=True,
-            )
-
-            def build(shape: ModelShape = shape, regional: bool = regional) -> TrainingMethod:
-                model = shape.build(w.torch_dtype)
-                # regional=True turns the KV cache off; so here for both rows, to compile the same model.
-                getattr(model, "config").use_cache = False  # noqa: B009 (typed Module | Tensor)
-                opt = AdamWConfig(lr=1e-3)
-                return build_method("sonar", model, opt, compiler=cfg.regional_compiler, regional=regional)
-
-            try:
-                rec = cold_run(build, data)
-            except Exception as err:  # reported in the table; the other rows still run
-                rec = {"error": short_error(err)}
-            records.append({"layers": layers, "regional": regional, **rec})
-    torch._dynamo.reset()
-    return records
-
-
-def run(cfg: Config) -> list[dict[str, Any]]:
+def run_compile(cfg: Config) -> list[dict[str, Any]]:
     shape, w = SHAPES[cfg.shape], cfg.workload
     data = make_batches(1 + cfg.steady_steps, w.batch, w.seq)
     records = []
@@ -171,16 +117,48 @@ def run(cfg: Config) -> list[dict[str, Any]]:
         for rep in range(cfg.repeats):
             for arm in arms if rep % 2 == 0 else arms[::-1]:
                 print(f"  {compiler}: {arm.label}, repeat {rep + 1}/{cfg.repeats}", flush=True)
-                try:
-                    rec = measure_once(arm, shape, w, data)
-                except Exception as err:  # reported in the table; the other arms still run
-                    rec = {"arm": arm.label, "error": short_error(err)}
-                records.append({"compiler": compiler, "repeat": rep, **rec})
+                build = partial(_build, arm, shape, w)
+                records.append({"compiler": compiler, "repeat": rep, "arm": arm.label, **_cold(build, data)})
     torch._dynamo.reset()
     return records
 
 
+def _build(arm: Arm, shape: ModelShape, w: Workload) -> TrainingMethod:
+    return arm.build(shape.build(w.torch_dtype), AdamWConfig(lr=1e-3))
+
+
+def run_regional(cfg: Config) -> list[dict[str, Any]]:
+    """Whole-model vs regional compile of the pass (cold cache) at each of `regional_layers`."""
+    data = make_batches(1 + cfg.steady_steps, cfg.workload.batch, cfg.workload.seq)
+    records = []
+    for layers in cfg.regional_layers:
+        for regional in (False, True):
+            print(f"  {cfg.regional_compiler} pass, L={layers}, regional={regional}", flush=True)
+            build = partial(_regional, cfg, dataclasses.replace(SHAPES[cfg.shape], layers=layers), regional)
+            records.append({"layers": layers, "regional": regional, **_cold(build, data)})
+    torch._dynamo.reset()
+    return records
+
+
+def _regional(cfg: Config, shape: ModelShape, regional: bool) -> TrainingMethod:
+    model = shape.build(cfg.workload.torch_dtype)
+    # regional=True turns the KV cache off; so here for both rows, to compile the same model.
+    getattr(model, "config").use_cache = False  # noqa: B009 (typed Module | Tensor)
+    return build_method(
+        "sonar", model, AdamWConfig(lr=1e-3), compiler=cfg.regional_compiler, regional=regional
+    )
+
+
+def _cold(build: Callable[[], TrainingMethod], data: list[Batch]) -> dict[str, Any]:
+    try:
+        return cold_run(build, data)
+    except Exception as err:  # reported in the table; the other runs still run
+        return {"error": short_error(err)}
+
+
 def table(records: list[dict[str, Any]]) -> Table:
+    headers = ["compiler", "arm", "compile s", "× standard", "first forward s", "first backward s",
+               "steady step ms", "pass rewrote"]  # fmt: skip
     rows = []
     keys = sorted({(r["compiler"], r["arm"]) for r in records}, key=lambda k: (k[0], "sonar" in k[1]))
     baseline: dict[str, float] = {}
@@ -188,25 +166,18 @@ def table(records: list[dict[str, Any]]) -> Table:
         runs = [r for r in records if (r["compiler"], r["arm"]) == (compiler, arm)]
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            rows.append([compiler, arm, f"failed: {runs[0]['error']}", *["-"] * 5])
+            rows.append(failed([compiler, arm], runs[0]["error"], len(headers)))
             continue
         comp = Spread.of([r["compile_s"] for r in ok])
         baseline.setdefault(compiler, comp.median)
         graphs = ok[-1]["graphs_compiled"]
-        rows.append(
-            [
-                compiler, arm, comp.fmt(1),
-                f"{comp.median / baseline[compiler]:.2f}x",
-                f"{statistics.median(r['first_forward_s'] for r in ok):.1f}",
-                f"{statistics.median(r['first_backward_s'] for r in ok):.1f}",
-                f"{1e3 * statistics.median(r['steady_step_s'] for r in ok):.0f}",
-                "-" if graphs is None else f"{graphs} graphs, {ok[-1]['updates_inserted']} updates",
-            ]
-        )  # fmt: skip
-    headers = [
-        "compiler", "arm", "compile s", "× standard", "first forward s", "first backward s", "steady step ms",
-        "pass rewrote",
-    ]  # fmt: skip
+        rows.append([
+            compiler, arm, comp.fmt(1), f"{comp.median / baseline[compiler]:.2f}x",
+            f"{statistics.median(r['first_forward_s'] for r in ok):.1f}",
+            f"{statistics.median(r['first_backward_s'] for r in ok):.1f}",
+            f"{1e3 * statistics.median(r['steady_step_s'] for r in ok):.0f}",
+            "-" if graphs is None else f"{graphs} graphs, {ok[-1]['updates_inserted']} updates",
+        ])  # fmt: skip
     note = (
         "Cold cache every run. compile s: first step minus the steady step's median (median [IQR] over "
         "repeats). The standard arms compile the backward graph lazily, at the first backward; with "
@@ -218,13 +189,14 @@ def table(records: list[dict[str, Any]]) -> Table:
 
 
 def regional_table(records: list[dict[str, Any]], compiler: str = "inductor") -> Table:
+    headers = ["blocks L", "compile", "compile s", "× whole model", "dynamo graphs", "pass rewrote",
+               "steady step ms"]  # fmt: skip
     rows = []
     whole: dict[int, float] = {}
     for r in records:
         how = "regional" if r["regional"] else "whole model"
         if "error" in r:
-            rows.append([str(r["layers"]), how, f"failed: {r['error']}" if r["error"] != "not available" else
-                         "not available (no regional= in sonar_fx.compile)", *["-"] * 5])  # fmt: skip
+            rows.append(failed([r["layers"], how], r["error"], len(headers)))
             continue
         if not r["regional"]:
             whole[r["layers"]] = r["compile_s"]
@@ -235,15 +207,6 @@ def regional_table(records: list[dict[str, Any]], compiler: str = "inductor") ->
             str(r["dynamo_graphs"]), f"{r['graphs_compiled']} graphs, {r['updates_inserted']} updates",
             f"{1e3 * r['steady_step_s']:.0f}",
         ])  # fmt: skip
-    headers = [
-        "blocks L",
-        "compile",
-        "compile s",
-        "× whole model",
-        "dynamo graphs",
-        "pass rewrote",
-        "steady step ms",
-    ]
     note = (
         f"Sonar's compiled pass, {compiler}, cold cache, one run each. Regional: each decoder block compiled "
         "once and the graph reused for all L blocks, so its compile time should not grow with L. dynamo "
@@ -295,7 +258,7 @@ class Endurance(ArmResult):
     """`SonarOptimizer.report()` at the end (recompiles, graphs_compiled, updates by path)."""
 
 
-def run_endurance(cfg: EnduranceConfig) -> list[Endurance]:
+def run_endurance(cfg: EnduranceConfig) -> Output:
     batches = make_batches(cfg.steps, cfg.batch, cfg.seq)
     results = []
     for arm in cfg.arms:
@@ -310,7 +273,9 @@ def run_endurance(cfg: EnduranceConfig) -> list[Endurance]:
             result.fail(err)
         results.append(result)
     torch._dynamo.reset()
-    return results
+    return Output(tables=[endurance_table(results, cfg)], goals=endurance_goals(results),
+                  records=[asdict(r) for r in results],
+                  figures={"endurance.png": partial(draw_endurance, results, cfg)})  # fmt: skip
 
 
 def _run_arm(result: Endurance, arm: Arm, cfg: EnduranceConfig, batches: list[Batch]) -> None:
@@ -373,10 +338,13 @@ def drift(step_s: list[float]) -> Spread | None:
 
 
 def endurance_table(results: list[Endurance], cfg: EnduranceConfig) -> Table:
+    headers = ["arm", "RSS MiB after warm-up -> end", "RSS slope KiB/1k steps",
+               "step transient MiB first / last", "frame compiles after warm-up", "graphs after warm-up",
+               "sonar recompiles", "step CPU ms", "step wall ms", "last / first quarter"]  # fmt: skip
     rows = []
     for r in results:
         if not r.ok:
-            rows.append([r.label, f"failed: {r.error}", *["-"] * 8])
+            rows.append(failed([r.label], r.error, len(headers)))
             continue
         cpu, wall = drift(r.cpu_step_s), drift(r.step_s)
         rows.append([
@@ -387,11 +355,6 @@ def endurance_table(results: list[Endurance], cfg: EnduranceConfig) -> Table:
             str(r.sonar.get("recompiles", "-")), Spread.of([t * 1e3 for t in r.cpu_step_s]).fmt(1),
             r.step_ms.fmt(1), f"{_x(cpu)} CPU, {_x(wall)} wall",
         ])  # fmt: skip
-    headers = [
-        "arm", "RSS MiB after warm-up -> end", "RSS slope KiB/1k steps", "step transient MiB first / last",
-        "frame compiles after warm-up", "graphs after warm-up", "sonar recompiles", "step CPU ms",
-        "step wall ms", "last / first quarter",
-    ]  # fmt: skip
     note = (
         f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq}, {cfg.steps} steps, "
         f"LR changed every step (cosine); after {cfg.warmup} warm-up steps. Arms run one after another. RSS "
@@ -417,47 +380,35 @@ def endurance_goals(results: list[Endurance]) -> list[Goal]:
         stable = goal("endurance.drift_high", f"{r.label}: step time stable", d, _x(d) if d else "-")
         low = goal("endurance.drift_low", stable.name, d).status
         out += [
-            goal(
-                "endurance.rss_slope",
-                f"{r.label}: RSS flat after warm-up",
-                None if slope is None else abs(slope),
-                "-" if slope is None else f"{slope:+.0f} KiB",
-            ),
-            goal(
-                "endurance.recompiles",
-                f"{r.label}: no recompiles",
-                compiles,
-                "-" if compiles is None else str(compiles),
-            ),
+            goal("endurance.rss_slope", f"{r.label}: RSS flat after warm-up",
+                 None if slope is None else abs(slope), "-" if slope is None else f"{slope:+.0f} KiB"),
+            goal("endurance.recompiles", f"{r.label}: no recompiles", compiles,
+                 "-" if compiles is None else str(compiles)),
             dataclasses.replace(stable, status=worst(stable.status, low)),
-        ]
+        ]  # fmt: skip
     return out
 
 
-def draw_endurance(results: list[Endurance], cfg: EnduranceConfig) -> Callable[[Any], Any]:
+def draw_endurance(results: list[Endurance], cfg: EnduranceConfig, plt: Any) -> Any:
     """RSS and step time over the steps, one line per arm."""
-
-    def draw(plt: Any) -> Any:
-        fig, (ax_rss, ax_ms) = plt.subplots(1, 2, figsize=(12, 4))
-        window = max(1, len(results[0].step_s) // 50) if results else 1
-        for r in results:
-            if not r.ok:
-                continue
-            steps = list(range(cfg.warmup + 1, cfg.warmup + 1 + len(r.step_s)))
-            (line,) = ax_rss.plot(steps, [mib(b) for b in r.rss_bytes], label=r.label)
-            color = line.get_color()
-            ax_ms.plot(steps, _running_median(r.cpu_step_s, window), color=color, label=f"{r.label}, CPU")
-            ax_ms.plot(steps, _running_median(r.step_s, window), color=color, ls=":", label="wall")
-        ax_rss.set(xlabel="step", ylabel="process RSS MiB", title="Resident memory after each step")
-        ax_ms.set(
-            xlabel="step", ylabel=f"step ms (running median of {window + 1})", title="Step time: CPU and wall"
-        )
-        for ax in (ax_rss, ax_ms):
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        return fig
-
-    return draw
+    fig, (ax_rss, ax_ms) = plt.subplots(1, 2, figsize=(12, 4))
+    window = max(1, len(results[0].step_s) // 50) if results else 1
+    for r in results:
+        if not r.ok:
+            continue
+        steps = list(range(cfg.warmup + 1, cfg.warmup + 1 + len(r.step_s)))
+        (line,) = ax_rss.plot(steps, [mib(b) for b in r.rss_bytes], label=r.label)
+        color = line.get_color()
+        ax_ms.plot(steps, _running_median(r.cpu_step_s, window), color=color, label=f"{r.label}, CPU")
+        ax_ms.plot(steps, _running_median(r.step_s, window), color=color, ls=":", label="wall")
+    ax_rss.set(xlabel="step", ylabel="process RSS MiB", title="Resident memory after each step")
+    ax_ms.set(
+        xlabel="step", ylabel=f"step ms (running median of {window + 1})", title="Step time: CPU and wall"
+    )
+    for ax in (ax_rss, ax_ms):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def _running_median(values: list[float], window: int) -> list[float]:
@@ -466,30 +417,14 @@ def _running_median(values: list[float], window: int) -> list[float]:
 
 MODES = [
     Mode(flag="--endurance", script="endurance", default=EnduranceConfig(), quick=ENDURANCE_QUICK,
-         question="Question: does a long Sonar run stay healthy: flat memory, no recompiles, steady step "
-         "time?"),
+         run=run_endurance, question="Question: does a long Sonar run stay healthy: flat memory, no "
+         "recompiles, steady step time?"),
 ]  # fmt: skip
-
-
-def run_all(inv: Invocation[Any]) -> None:
-    if inv.script == "endurance":
-        results = run_endurance(inv.cfg)
-        images = inv.figure("endurance.png", draw_endurance(results, inv.cfg), dpi=110)
-        tables = [endurance_table(results, inv.cfg)]
-        inv.finish(
-            tables, goals=endurance_goals(results), records=[asdict(r) for r in results], images=images
-        )
-        return
-    records, regional = run(inv.cfg), run_regional(inv.cfg)
-    tables = [table(records)] + ([regional_table(regional, inv.cfg.regional_compiler)] if regional else [])
-    inv.finish(tables, records=[*records, *({"section": "regional", **r} for r in regional)])
 
 
 def main(argv: list[str] | None = None) -> None:
     shape = common.Override(field="shape", choices=sorted(SHAPES), help="override the model shape")
-    run_all(
-        common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[shape], modes=MODES)
-    )
+    common.main(SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=[shape], modes=MODES)
 
 
 if __name__ == "__main__":

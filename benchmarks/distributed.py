@@ -16,6 +16,7 @@ against DDP's replicas on the same world.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -25,10 +26,25 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sonar_fx.distributed as sd
 from benchmarks import common
-from benchmarks.common import Table
+from benchmarks.common import Output, Table
+from sonar_fx.api import sonar_of
+from sonar_fx.config import AdamWConfig
+from sonar_fx.distributed.memory import GradStorageCounter
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.memory import ExpertGradBytes, state_bytes
+from sonar_fx.models import build_model
+from sonar_fx.workload import random_batches
 
 SCRIPT = "distributed"
+SONAR = AdamWConfig(lr=1e-3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,196 +92,125 @@ class Row:
 
 def measure(cfg: Config) -> list[Row]:
     """Every engine's arms on this rank (a process group must be initialised)."""
-    import torch
-
     dtype = getattr(torch, cfg.dtype)
     rows = _ddp_rows(cfg, dtype, bucket_view=False) + _ddp_rows(cfg, dtype, bucket_view=True)
     return rows + _fsdp_rows(cfg, dtype) + _ep_rows(cfg, dtype)
 
 
-def _model(cfg: Config, dtype: Any) -> Any:
-    from sonar_fx.models import build_model
-
+def _model(cfg: Config, dtype: torch.dtype) -> Any:
     return build_model(cfg.model, dtype=dtype, seed=0, **cfg.overrides)
 
 
 def _expert_bytes(model: Any) -> tuple[int, int]:
     """This rank's expert-gradient bytes, all layers and the largest one (an FSDP2 shard counts its own)."""
-    from sonar_fx.experts.discovery import ExpertSet
-    from sonar_fx.memory import ExpertGradBytes
-
     grads = ExpertGradBytes.of(ExpertSet.discover(model).layers)
     return grads.total, grads.one_layer
 
 
-def _peak(cfg: Config, run: Callable[..., Any], step: Callable[[], None], counter: Any) -> int:
-    """The largest per-step peak over `cfg.steps` steps on this rank's batches."""
-    import torch.distributed as dist
-
-    from sonar_fx.workload import random_batches
-
+def _peak(cfg: Config, counter: GradStorageCounter, run: Callable[..., Any], optimizer: Any) -> int:
+    """The largest per-step gradient storage over `cfg.steps` steps of `run` on this rank's batches
+    (`counter` hooked on the model before Sonar hooks its tensors, so it sees each gradient first)."""
     peak = 0
     for batch in random_batches(cfg.steps, batch=cfg.batch, seq=cfg.seq, seed=1 + dist.get_rank()):
         counter.reset()
         run(**batch).loss.backward()
         counter.sample()
-        step()
+        optimizer.step()
+        optimizer.zero_grad()
         peak = max(peak, counter.peak)
     return peak
 
 
-def _adamw_step(model: Any) -> Callable[[], None]:
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    return _sonar_step(opt)
+def _adamw(model: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
-def _sonar_step(optimizer: Any) -> Callable[[], None]:
-    def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+def _rows(engine: str, peaks: dict[str, int], grads: tuple[int, int], expected: dict[str, int]) -> list[Row]:
+    """One row per arm of `peaks` (standard first); `expected`: each Sonar arm's least saving."""
+    experts, layer = grads
+    return [Row(engine=engine, arm=arm, peak_bytes=peak, standard_bytes=peaks["standard"],
+                expert_bytes=experts, layer_bytes=layer, expected_min=expected.get(arm, 0))
+            for arm, peak in peaks.items()]  # fmt: skip
 
-    return step
 
-
-def _ddp_rows(cfg: Config, dtype: Any, *, bucket_view: bool) -> list[Row]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import sonar_fx.distributed as sd
-    from sonar_fx.config import AdamWConfig
-    from sonar_fx.distributed.memory import GradStorageCounter
-
-    engine = f"DDP{' (gradient_as_bucket_view)' if bucket_view else ''}"
+def _ddp_rows(cfg: Config, dtype: torch.dtype, *, bucket_view: bool) -> list[Row]:
     model = _model(cfg, dtype)
-    experts, layer = _expert_bytes(model)
-    counter = GradStorageCounter.hook(model)
+    grads, counter = _expert_bytes(model), GradStorageCounter.hook(model)
     wrapped = DDP(model, gradient_as_bucket_view=bucket_view)
     counter.add_ddp(wrapped)
-    standard = _peak(cfg, wrapped, _adamw_step(model), counter)
-    copies = 1 if bucket_view else 2
-    rows = [Row(engine=engine, arm="standard", peak_bytes=standard, standard_bytes=standard,
-                expert_bytes=experts, layer_bytes=layer, expected_min=0)]  # fmt: skip
-    for asynchronous in (False, True):
+    peaks = {"standard": _peak(cfg, counter, wrapped, _adamw(model))}
+    for arm in ("sonar", "sonar async"):
         model = _model(cfg, dtype)
         counter = GradStorageCounter.hook(model)
-        wrapped = sd.ddp(model, AdamWConfig(lr=1e-3), async_reduce=asynchronous,
+        wrapped = sd.ddp(model, SONAR, async_reduce=arm == "sonar async",
                          ddp_kwargs={"gradient_as_bucket_view": bucket_view})  # fmt: skip
         counter.add_ddp(wrapped)
-        reduction: Any = cast(Any, wrapped).sonar.distributed
-        counter.held = reduction.live_grads
-        peak = _peak(cfg, wrapped, _sonar_step(wrapped.sonar), counter)
-        alive = 2 * layer if asynchronous else layer
-        rows.append(Row(engine=engine, arm="sonar async" if asynchronous else "sonar", peak_bytes=peak,
-                        standard_bytes=standard, expert_bytes=experts, layer_bytes=layer,
-                        expected_min=copies * experts - alive))  # fmt: skip
-    return rows
+        counter.held = cast(Any, wrapped).sonar.distributed.live_grads
+        peaks[arm] = _peak(cfg, counter, wrapped, wrapped.sonar)
+    copies, (experts, layer) = 1 if bucket_view else 2, grads
+    expected = {"sonar": copies * experts - layer, "sonar async": copies * experts - 2 * layer}
+    return _rows(f"DDP{' (gradient_as_bucket_view)' if bucket_view else ''}", peaks, grads, expected)
 
 
-def _fsdp_rows(cfg: Config, dtype: Any) -> list[Row]:
-    from torch.distributed.fsdp import fully_shard
-
-    import sonar_fx.distributed as sd
-    from sonar_fx.config import AdamWConfig
-    from sonar_fx.distributed.memory import GradStorageCounter
-
+def _fsdp_rows(cfg: Config, dtype: torch.dtype) -> list[Row]:
     model = sd.fully_shard_experts(_model(cfg, dtype))
-    experts, layer = _expert_bytes(model)
-    counter = GradStorageCounter.hook(model)
-    standard = _peak(cfg, model, _adamw_step(model), counter)
-    rows = [Row(engine="FSDP2", arm="standard", peak_bytes=standard, standard_bytes=standard,
-                expert_bytes=experts, layer_bytes=layer, expected_min=0)]  # fmt: skip
-    for shared in (False, True):
+    grads = _expert_bytes(model)
+    peaks = {"standard": _peak(cfg, GradStorageCounter.hook(model), model, _adamw(model))}
+    for arm in ("sonar", "sonar, experts in the block's group"):
         model = _model(cfg, dtype)
-        if shared:  # experts share their block's group: exact, but nothing is saved
+        if arm == "sonar":
+            sd.fully_shard_experts(model)
+        else:  # experts share their block's group: exact, but nothing is saved
             for block in model.model.layers:
                 fully_shard(block)
             fully_shard(model)
-        else:
-            sd.fully_shard_experts(model)
         counter = GradStorageCounter.hook(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = sd.fsdp2(model, AdamWConfig(lr=1e-3))
-        peak = _peak(cfg, model, _sonar_step(model.sonar), counter)
-        rows.append(Row(engine="FSDP2", arm="sonar, experts in the block's group" if shared else "sonar",
-                        peak_bytes=peak, standard_bytes=standard, expert_bytes=experts, layer_bytes=layer,
-                        expected_min=0 if shared else experts - layer))  # fmt: skip
-    return rows
+            model = sd.fsdp2(model, SONAR)
+        peaks[arm] = _peak(cfg, counter, model, model.sonar)
+    return _rows("FSDP2", peaks, grads, {"sonar": grads[0] - grads[1]})
 
 
-def _ep_rows(cfg: Config, dtype: Any) -> list[Row]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import sonar_fx.distributed as sd
-    from sonar_fx.config import AdamWConfig
-    from sonar_fx.distributed.memory import GradStorageCounter
-    from sonar_fx.experts.discovery import ExpertSet
-
+def _ep_rows(cfg: Config, dtype: torch.dtype) -> list[Row]:
     peaks = {}
     for arm in ("standard", "sonar"):
         model = _model(cfg, dtype)
         sd.shard_experts_(model)
-        experts, layer = _expert_bytes(model)
-        counter = GradStorageCounter.hook(model)
+        grads, counter = _expert_bytes(model), GradStorageCounter.hook(model)
         if arm == "standard":
-            names = ExpertSet.discover(model).names
-            DDP._set_params_and_buffers_to_ignore_for_model(model, names)
-            wrapped, step = DDP(model), _adamw_step(model)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ExpertSet.discover(model).names)
+            wrapped, optimizer = DDP(model), _adamw(model)
         else:
-            wrapped = sd.expert_parallel(model, AdamWConfig(lr=1e-3), shard=False)
-            step = _sonar_step(wrapped.sonar)
+            wrapped = sd.expert_parallel(model, SONAR, shard=False)
+            optimizer = sonar_of(wrapped)
         counter.add_ddp(wrapped)
-        peaks[arm] = _peak(cfg, wrapped, step, counter)
-    return [Row(engine=f"expert parallel (E/{cfg.world} per rank)", arm=arm, peak_bytes=peak,
-                standard_bytes=peaks["standard"], expert_bytes=experts, layer_bytes=layer,
-                expected_min=0 if arm == "standard" else experts - layer)
-            for arm, peak in peaks.items()]  # fmt: skip
+        peaks[arm] = _peak(cfg, counter, wrapped, optimizer)
+    return _rows(f"expert parallel (E/{cfg.world} per rank)", peaks, grads, {"sonar": grads[0] - grads[1]})
 
 
 def measure_2d(cfg: Config) -> list[Row]:
     """The 2-D layout's arms on this rank, and DDP's replicas on the same world for what a rank holds
     (a process group of dp * ep ranks must be initialised)."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import sonar_fx.distributed as sd
-    from sonar_fx.api import sonar_of
-    from sonar_fx.config import AdamWConfig
-    from sonar_fx.distributed.memory import GradStorageCounter
-    from sonar_fx.memory import state_bytes
-
-    dtype = getattr(torch, cfg.dtype)
-    dp, ep = cfg.mesh
-    engine = f"FSDP2 x EP ({dp} dp x {ep} ep)"
-    rows, peaks = [], {}
+    dtype, (dp, ep) = getattr(torch, cfg.dtype), cfg.mesh
+    peaks, held = {}, []
     for arm in ("standard", "sonar"):
         mesh = init_device_mesh("cpu", cfg.mesh, mesh_dim_names=("dp", "ep"))
         model = sd.shard_fsdp2_ep(_model(cfg, dtype), mesh)
-        experts, layer = _expert_bytes(model)
-        counter = GradStorageCounter.hook(model)
-        opt: torch.optim.Optimizer = (
-            torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-            if arm == "standard"
-            else sonar_of(sd.fsdp2_ep(model, AdamWConfig(lr=1e-3), mesh=mesh))
-        )
-        peaks[arm] = _peak(cfg, model, _sonar_step(opt), counter)
-        rows.append(Row(engine=engine, arm=arm, peak_bytes=peaks[arm], standard_bytes=peaks["standard"],
-                        expert_bytes=experts, layer_bytes=layer,
-                        expected_min=0 if arm == "standard" else experts - layer,
-                        held_bytes=state_bytes(model, [opt])))  # fmt: skip
+        grads, counter = _expert_bytes(model), GradStorageCounter.hook(model)
+        opt = _adamw(model) if arm == "standard" else sonar_of(sd.fsdp2_ep(model, SONAR, mesh=mesh))
+        peaks[arm] = _peak(cfg, counter, model, opt)
+        held.append(state_bytes(model, [opt]))
+    rows = _rows(f"FSDP2 x EP ({dp} dp x {ep} ep)", peaks, grads, {"sonar": grads[0] - grads[1]})
     model = _model(cfg, dtype)
     counter = GradStorageCounter.hook(model)
     wrapped = DDP(model)
     counter.add_ddp(wrapped)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    peak = _peak(cfg, wrapped, _sonar_step(opt), counter)
-    experts, layer = _expert_bytes(model)
-    rows.append(Row(engine=f"DDP ({dp * ep} ranks, replicas)", arm="standard", peak_bytes=peak,
-                    standard_bytes=peak, expert_bytes=experts, layer_bytes=layer, expected_min=0,
-                    held_bytes=state_bytes(model, [opt])))  # fmt: skip
-    return rows
+    opt = _adamw(model)
+    replicas = _rows(f"DDP ({dp * ep} ranks, replicas)", {"standard": _peak(cfg, counter, wrapped, opt)},
+                     _expert_bytes(model), {})  # fmt: skip
+    held.append(state_bytes(model, [opt]))
+    return [replace(r, held_bytes=h) for r, h in zip([*rows, *replicas], held, strict=True)]
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -278,11 +223,6 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, cfg: Config, port: int, out: str, world: int, two_d: bool) -> None:
-    import json
-
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -293,13 +233,9 @@ def _rank_main(rank: int, cfg: Config, port: int, out: str, world: int, two_d: b
     Path(out, f"rank{rank}.json").write_text(json.dumps([asdict(r) for r in rows]))
 
 
-def run(cfg: Config, *, two_d: bool = False) -> list[list[Row]]:
+def per_rank(cfg: Config, *, two_d: bool = False) -> list[list[Row]]:
     """Rows of every rank (spawns `cfg.world` gloo processes on loopback; `two_d`: the 2-D layout's
     rows, on dp * ep processes)."""
-    import json
-
-    import torch
-
     world = cfg.mesh[0] * cfg.mesh[1] if two_d else cfg.world
     with tempfile.TemporaryDirectory() as out:
         torch.multiprocessing.spawn(
@@ -368,13 +304,16 @@ def table_2d(rows: list[Row], cfg: Config) -> Table:
     return Table(title="Memory per rank, 2-D layout", headers=headers, rows=body, note=note)
 
 
+def run(cfg: Config) -> Output:
+    ranks = per_rank(cfg)
+    agree = all(rows == ranks[0] for rows in ranks)
+    rows_2d = largest(per_rank(cfg, two_d=True))
+    tables = [table(ranks[0], cfg, agree), table_2d(rows_2d, cfg)]
+    return Output(tables=tables, records=[asdict(r) for r in ranks[0] + rows_2d])
+
+
 def main(argv: list[str] | None = None) -> None:
-    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK)
-    per_rank = run(inv.cfg)
-    agree = all(rows == per_rank[0] for rows in per_rank)
-    rows_2d = largest(run(inv.cfg, two_d=True))
-    tables = [table(per_rank[0], inv.cfg, agree), table_2d(rows_2d, inv.cfg)]
-    inv.finish(tables, records=[asdict(r) for r in per_rank[0] + rows_2d])
+    common.main(SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK)
 
 
 if __name__ == "__main__":

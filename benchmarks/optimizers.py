@@ -26,7 +26,7 @@ import torch
 from torch.utils.benchmark import timer
 
 from benchmarks import common
-from benchmarks.common import Goal, Table, goal, mib
+from benchmarks.common import Goal, Output, Table, goal, mib
 from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.measure import ArmResult, Spread, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
@@ -76,10 +76,9 @@ class Config:
     """Which tables to measure (`--only`); a run of some of them writes results/optimizers_<names>/."""
 
 
-QUICK = Config(overrides=dict(hidden_size=128, intermediate_size=128, num_experts=8, num_hidden_layers=2),
-               seq=64, warmup=1, rounds=4,
-               muon_overrides=dict(hidden_size=32, intermediate_size=32, num_experts=8,
-                                   num_hidden_layers=2))  # fmt: skip
+TINY = dict(hidden_size=32, intermediate_size=32, num_experts=4, num_hidden_layers=2)
+QUICK = Config(overrides=TINY, muon_overrides=TINY, seq=16, warmup=1, rounds=2)
+"""A smoke run: every arm of every table on a tiny model, two timed rounds."""
 LR = 1e-3
 OPTIMIZERS: dict[str, OptimizerConfig] = {
     "adamw": AdamWConfig(lr=LR),
@@ -94,11 +93,10 @@ MUON = MuonConfig(lr=LR)
 class Arm(ArmResult):
     """One trained setup: how to build it, and what it measured."""
 
-    build: Callable[[], tuple[torch.nn.Module, TrainingMethod]]
+    build: Callable[[], TrainingMethod]
     expert_state_bytes: int = 0
     state_bytes: int = 0
     """Every optimizer state tensor of the arm (dense and experts)."""
-    model: torch.nn.Module | None = None
     method: TrainingMethod | None = None
 
 
@@ -112,13 +110,13 @@ def _arm(
     nonfinite: str = "raise",
     overrides: dict[str, Any] | None = None,
 ) -> Arm:
-    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+    def build() -> TrainingMethod:
         model = build_model(run.model, seed=0, **(run.overrides if overrides is None else overrides))
         extra: dict[str, Any] = {"nonfinite": nonfinite} if Method.named(method).sonar else {}
         m = build_method(method, model, cfg, compiler=run.compiler, **extra)
         if isinstance(m.optimizer, SonarOptimizer):
             m.optimizer.clipper.track_norms = norms
-        return model, m
+        return m
 
     return Arm(label=label, build=build)
 
@@ -154,7 +152,7 @@ def run_arms(arms: Sequence[Arm], run: Config) -> None:
     torch._dynamo.reset()
     with side_by_side():
         for arm in arms:
-            arm.model, arm.method = arm.build()
+            arm.method = arm.build()
             step = partial(_synced_step, arm.method)
             measure_arm(arm, step, data[: run.warmup], data[run.warmup])
             arm.expert_state_bytes = _expert_state_bytes(arm.method)
@@ -245,7 +243,7 @@ class RuleAtStep(torch.optim.Optimizer):
 def _muon_at_step(run: Config) -> Arm:
     """Muon at step() with Sonar's batched expert update, and the same dense recipe as the twin."""
 
-    def build() -> tuple[torch.nn.Module, TrainingMethod]:
+    def build() -> TrainingMethod:
         model = build_model(run.model, seed=0, **run.muon_overrides)
         method = build_method("standard_no_expert_clip", model, MUON, compiler=run.compiler)
         layers = discover_experts(model)
@@ -254,7 +252,7 @@ def _muon_at_step(run: Config) -> Arm:
         dense = [p for p in params if id(p) not in experts]
         method.optimizer = end_of_step_optimizer(MUON, dense, matrices=matrix_params(MUON, model, layers))
         method.expert_optimizer = RuleAtStep([p for p in params if id(p) in experts], MuonRule(), MUON)
-        return model, method
+        return method
 
     return Arm(label="muon at step() (same batched math)", build=build)
 
@@ -348,39 +346,34 @@ def goals(clip_arms: list[Arm], lowbit_arms: list[Arm] | None) -> list[Goal]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    inv = common.start(
-        SCRIPT, __doc__, argv, default=Config(), quick=QUICK,
-        overrides=[common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler"),
-                   common.Override(field="only", choices=TABLES, many=True,
-                                   help="measure only these tables (results/optimizers_<names>/)")],
-    )  # fmt: skip
-    run = inv.cfg
-    if tuple(run.only) != TABLES:  # a partial run never replaces the full results
-        inv = replace(inv, script="_".join((SCRIPT, *run.only)))
-    tables, arms, all_goals = [], [], []
-    if "optimizers" in run.only:
-        opt_table, opt_arms = optimizer_table(run)
-        tables.append(opt_table)
-        arms += opt_arms
-    low = lowbit_table(run) if run.lowbit and "lowbit" in run.only else None
-    if "clipping" in run.only:
-        clip_table, clip_arms = clipping_table(run)
-        tables.append(clip_table)
-        arms += clip_arms
-        all_goals += goals(clip_arms, low[1] if low else None)
-    if low is not None:
-        tables.append(low[0])
-        arms += low[1]
-    if "muon" in run.only:
-        muon, muon_arms = muon_table(run)
-        tables.append(muon)
-        arms += muon_arms
-        all_goals += muon_goals(muon_arms)
+def run(cfg: Config) -> Output:
+    """The tables of `cfg.only`, measured in this order (low-bit before clipping: its goal needs both)."""
+    measure = {"optimizers": optimizer_table, "lowbit": lowbit_table, "clipping": clipping_table,
+               "muon": muon_table}  # fmt: skip
+    found = {}
+    for name in ("optimizers", "lowbit", "clipping", "muon"):
+        if name in cfg.only and (cfg.lowbit or name != "lowbit") and (out := measure[name](cfg)) is not None:
+            found[name] = out
+    found_goals = []
+    if "clipping" in found:
+        found_goals += goals(found["clipping"][1], found["lowbit"][1] if "lowbit" in found else None)
+    if "muon" in found:
+        found_goals += muon_goals(found["muon"][1])
+    shown = [name for name in TABLES if name in found]
     records = [{"arm": arm.label, "step_s": arm.step_s, "peak_bytes": arm.peak_bytes,
                 "state_bytes": arm.state_bytes, "expert_state_bytes": arm.expert_state_bytes,
-                "error": arm.error} for arm in arms]  # fmt: skip
-    inv.finish(tables, goals=all_goals, records=records)
+                "error": arm.error} for name in shown for arm in found[name][1]]  # fmt: skip
+    partial_run = (
+        None if tuple(cfg.only) == TABLES else "_".join((SCRIPT, *cfg.only))
+    )  # never the full results
+    return Output(tables=[found[n][0] for n in shown], goals=found_goals, records=records, script=partial_run)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    overrides = [common.Override(field="compiler", choices=("eager", "aot_eager"), help="arms' compiler"),
+                 common.Override(field="only", choices=TABLES, many=True,
+                                 help="measure only these tables (results/optimizers_<names>/)")]  # fmt: skip
+    common.main(SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=overrides)
 
 
 if __name__ == "__main__":

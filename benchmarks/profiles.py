@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -30,9 +30,10 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.arms import COMPILED, Arm, HandwrittenHooksArm
-from benchmarks.common import Goal, Invocation, Mode, Table, goal, mib
+from benchmarks.common import Goal, Mode, Output, Table, goal, mib
 from benchmarks.handwritten import METHOD as HANDWRITTEN
 from benchmarks.workload import SHAPES, Workload
+from sonar_fx.api import Compiler
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import (
@@ -76,34 +77,14 @@ class Config:
     """--timeline's arms."""
     modes: tuple[str, ...] = ("compiled", "eager")
     """--profile's pairs."""
+    compiler: Compiler = "inductor"
+    """--profile: the compiled pairs' compiler."""
     warmup: int = 2
     rounds: int = 15
     """--profile: timed rounds (interleaved), then `profiled_rounds` under the profiler."""
     profiled_rounds: int = 5
     lr: float = 1e-3
     max_grad_norm: float = 1.0
-
-
-MODES = [
-    Mode(flag="--timeline", script="memory_timeline",
-         question="Question: what does live memory look like through one training step, and where is the "
-         "peak?",
-         default=Config(), quick=Config(warmup=1)),
-    Mode(flag="--profile", script="hot_path",
-         question="Question: where does the time of Sonar's update go, next to the same update done the "
-         "plain way?",
-         default=Config(), quick=Config(shapes=("olmoe-micro",), warmup=1, rounds=3, profiled_rounds=2)),
-]  # fmt: skip
-
-
-def run(inv: Invocation[Config]) -> None:
-    if inv.script == "memory_timeline":
-        lines, grads = run_timeline(inv.cfg)
-        images = inv.figure("memory_timeline.png", draw_timeline(lines, grads))
-        inv.finish([timeline_table(lines, grads)], records=[asdict(x) for x in lines], images=images)
-    else:
-        tables, goals, records = run_profile(inv.cfg)
-        inv.finish(tables, goals=goals, records=records)
 
 
 # ------------------------------------------------------------------------------------ --timeline
@@ -174,7 +155,7 @@ def _downsample(t: list[float], v: list[float], n: int) -> tuple[list[float], li
     return out_t, out_v
 
 
-def run_timeline(cfg: Config) -> tuple[list[Timeline], dict[str, float]]:
+def run_timeline(cfg: Config) -> Output:
     shape, w = SHAPES[cfg.shapes[0]], cfg.workload
     data = make_batches(cfg.warmup + 1, w.batch, w.seq)
     lines, grads = [], {}
@@ -189,33 +170,28 @@ def run_timeline(cfg: Config) -> tuple[list[Timeline], dict[str, float]]:
         lines.append(timeline(arm.label, profile_step(method, data[cfg.warmup])))
         del method, model
         torch._dynamo.reset()
-    return lines, grads
+    return Output(tables=[timeline_table(lines, grads)], records=[asdict(x) for x in lines],
+                  figures={"memory_timeline.png": partial(draw_timeline, lines, grads)})  # fmt: skip
 
 
-def draw_timeline(lines: list[Timeline], grads: dict[str, float]) -> Callable[[Any], Any]:
+def draw_timeline(lines: list[Timeline], grads: dict[str, float], plt: Any) -> Any:
     """One panel per arm, phases shaded."""
-
-    def draw(plt: Any) -> Any:
-        colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
-        fig, axes = plt.subplots(len(lines), 1, figsize=(10, 2.6 * len(lines)), sharey=True, squeeze=False)
-        for ax, line in zip(axes[:, 0], lines, strict=True):
-            for phase, (a, b) in line.phases.items():
-                ax.axvspan(a, b, color=colors[phase], alpha=0.12, label=phase)
-            # Live bytes only change at allocator events: a step plot, never a slope between them.
-            ax.plot(line.t_ms, line.live_mib, color="black", lw=1, drawstyle="steps-post")
-            ax.axhline(grads["all"], color="tab:red", ls="--", lw=0.8, label="all expert grads")
-            ax.axhline(
-                grads["one_layer"], color="tab:purple", ls=":", lw=0.8, label="one layer of expert grads"
-            )
-            ax.set_title(f"{line.label}: peak {line.peak_mib:.1f} MiB ({line.peak_phase})", fontsize=10)
-            ax.set_ylabel("live MiB")
-        axes[-1, 0].set_xlabel("ms from the start of the step")
-        handles, labels = axes[0, 0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper center", fontsize=8, ncol=5)
-        fig.tight_layout(rect=(0, 0, 1, 0.97))
-        return fig
-
-    return draw
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
+    fig, axes = plt.subplots(len(lines), 1, figsize=(10, 2.6 * len(lines)), sharey=True, squeeze=False)
+    for ax, line in zip(axes[:, 0], lines, strict=True):
+        for phase, (a, b) in line.phases.items():
+            ax.axvspan(a, b, color=colors[phase], alpha=0.12, label=phase)
+        # Live bytes only change at allocator events: a step plot, never a slope between them.
+        ax.plot(line.t_ms, line.live_mib, color="black", lw=1, drawstyle="steps-post")
+        ax.axhline(grads["all"], color="tab:red", ls="--", lw=0.8, label="all expert grads")
+        ax.axhline(grads["one_layer"], color="tab:purple", ls=":", lw=0.8, label="one layer of expert grads")
+        ax.set_title(f"{line.label}: peak {line.peak_mib:.1f} MiB ({line.peak_phase})", fontsize=10)
+        ax.set_ylabel("live MiB")
+    axes[-1, 0].set_xlabel("ms from the start of the step")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", fontsize=8, ncol=5)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    return fig
 
 
 def timeline_table(lines: list[Timeline], grads: dict[str, float]) -> Table:
@@ -253,11 +229,12 @@ Build = Callable[[torch.nn.Module, AdamWConfig], TrainingMethod]
 
 def profile_arms(cfg: Config) -> list[tuple[str, Build]]:
     arms: list[tuple[str, Build]] = []
+    compiled = Execution(compiler=cfg.compiler)
     for mode in ("compiled", "eager"):
         if mode not in cfg.modes:
             continue
-        sonar = Arm(method="sonar", execution=COMPILED if mode == "compiled" else Execution())
-        twin = Arm(method="standard_no_expert_clip", execution=COMPILED)
+        sonar = Arm(method="sonar", execution=compiled if mode == "compiled" else Execution())
+        twin = Arm(method="standard_no_expert_clip", execution=compiled)
         arms += [(sonar.label, sonar.build), (f"{sonar.label}, guard off", partial(_guard_off, sonar)),
                  (f"{sonar.label}, {UNCHECKED}", partial(_unchecked, sonar))]  # fmt: skip
         reference = twin if mode == "compiled" else HandwrittenHooksArm()
@@ -318,7 +295,7 @@ def _cpu_timed(result: ProfiledArm, method: TrainingMethod, batch: Any) -> None:
     result.cpu_s.append(time.process_time() - started)
 
 
-def run_profile(cfg: Config) -> tuple[list[Table], list[Goal], list[dict[str, Any]]]:
+def run_profile(cfg: Config) -> Output:
     opt = AdamWConfig(lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
     w, shape = cfg.workload, SHAPES[cfg.shapes[0]]
     print(f"{shape.describe()}, batch {w.batch} x seq {w.seq}, {w.dtype}", flush=True)
@@ -339,7 +316,8 @@ def run_profile(cfg: Config) -> tuple[list[Table], list[Goal], list[dict[str, An
                 if result.error is None:
                     profiled_step(result, method, batch)
     results = [r for r, _ in live]
-    return [profile_table(shape.describe(), results)], profile_goals(results), [asdict(r) for r in results]
+    tables = [profile_table(shape.describe(), results)]
+    return Output(tables=tables, goals=profile_goals(results), records=[asdict(r) for r in results])
 
 
 def profile_table(title: str, results: list[ProfiledArm]) -> Table:
@@ -396,3 +374,17 @@ def _cpu_ratio(a: ProfiledArm | None, b: ProfiledArm | None) -> Spread | None:
 
 def _cpu_ms(r: ProfiledArm) -> str:
     return Spread.of([t * 1e3 for t in r.cpu_s]).fmt(0) if r.ok and r.cpu_s else "-"
+
+
+# --quick: the micro model, compiled with aot_eager (the same pass without inductor's codegen).
+MICRO = Config(shapes=("olmoe-micro",), warmup=1, compiler="aot_eager")
+MODES = [
+    Mode(flag="--timeline", script="memory_timeline", run=run_timeline,
+         question="Question: what does live memory look like through one training step, and where is the "
+         "peak?",
+         default=Config(), quick=replace(MICRO, arms=tuple(a.under("aot_eager") for a in Config().arms))),
+    Mode(flag="--profile", script="hot_path", run=run_profile,
+         question="Question: where does the time of Sonar's update go, next to the same update done the "
+         "plain way?",
+         default=Config(), quick=replace(MICRO, rounds=2, profiled_rounds=2)),
+]  # fmt: skip

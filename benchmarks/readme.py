@@ -17,6 +17,7 @@ markers. `--check` only reports whether every file is current (exit 1 if not).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import os
@@ -28,23 +29,14 @@ from typing import Any
 from tabulate import tabulate
 
 from benchmarks import SCRIPTS
-from benchmarks.common import GOALS_NOTE, RESULTS_DIR, goal_status, load_reports
+from benchmarks.common import RESULTS_DIR, Goal, goal_status, goals_table, load_reports
 from sonar_fx.measure import fmt_ratio, paired_ratio
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 HEADLINE_ARMS = ("sonar · eager hooks", "sonar · compiled pass")
-ORDER = (
-    "methods",
-    "granularity",
-    "batch_sweep",
-    "accumulation",
-    "memory_timeline",
-    "compile_overhead",
-    "endurance",
-    "gpu",
-    "gpu_kernels",
-)
+ORDER = ("methods", "granularity", "batch_sweep", "accumulation", "memory_timeline", "compile_overhead",
+         "endurance", "gpu", "gpu_kernels")  # fmt: skip
 """Scripts in README order (any other report follows, by name); smoke results (`*_smoke`) are never
 shown as results."""
 
@@ -114,14 +106,8 @@ def render_headline(reports: dict[str, dict[str, Any]]) -> str:
         std = by.get((shape, f"standard · {execution}"))
         if twin is None or std is None:
             continue
-        rows.append(
-            [
-                shape, label,
-                _versus(_total(r), _total(twin)),
-                _versus(r["peak_bytes"], twin["peak_bytes"]),
-                _ratio(r, twin), _ratio(r, std),
-            ]
-        )  # fmt: skip
+        peaks = _versus(_total(r), _total(twin)), _versus(r["peak_bytes"], twin["peak_bytes"])
+        rows.append([shape, label, *peaks, _ratio(r, twin), _ratio(r, std)])
     env = data["env"]
     headers = [
         "model",
@@ -185,9 +171,9 @@ def render_report(data: dict[str, Any], results_dir: Path, readme_dir: Path) -> 
     ]
     tables = list(data["tables"])
     if data.get("goals"):
-        rows = [[g["name"], g["target"], g["measured"], goal_status(g)] for g in data["goals"]]
-        headers = ["goal", "target", "measured", "status"]
-        tables.append({"title": "Goals", "headers": headers, "rows": rows, "note": GOALS_NOTE})
+        goals = [Goal(name=g["name"], target=g["target"], measured=g["measured"], status=goal_status(g))
+                 for g in data["goals"]]  # fmt: skip
+        tables.append(dataclasses.asdict(goals_table(goals)))
     for t in tables:
         # disable_numparse: cells are formatted already ("+0.0000" must not become "0").
         table = tabulate(t["rows"], headers=t["headers"], tablefmt="github", disable_numparse=True)
@@ -271,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=doc)
     p.add_argument("--results", type=Path, default=RESULTS_DIR)
     p.add_argument(
-        "--docs",
-        type=Path,
-        default=Path("docs/results.md"),
-        help="the docs' Results page (its folder: the rest)",
+        "--docs", type=Path, default=Path("docs/results.md"), help="the Results page (its folder: the rest)"
     )
     p.add_argument("--readme", type=Path, default=Path("README.md"))
     p.add_argument("--check", action="store_true", help="exit 1 if any file is not up to date")

@@ -301,16 +301,7 @@ def test_endurance_sees_a_recompile_after_warm_up(one_thread):
     assert rss_slope([0, 1024, 2048, 3072]) == 1024.0 and rss_slope([5, 5, 5]) == 0.0
 
 
-def test_regional_rows_say_not_available_without_the_option(monkeypatch):
-    monkeypatch.setattr(compile_overhead, "regional_available", lambda: False)
-    records = compile_overhead.run_regional(compile_overhead.Config(regional_layers=(4, 16)))
-    assert [(r["layers"], r["regional"]) for r in records] == [(4, False), (4, True), (16, False), (16, True)]
-    rendered = compile_overhead.regional_table(records).render()
-    assert rendered.count("not available") == 4
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not compile_overhead.regional_available(), reason="sonar_fx.compile has no regional=")
 def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread):
     cfg = compile_overhead.Config(
         shape="olmoe-micro", workload=Workload(batch=2, seq=16, dtype="float32"), steady_steps=1,
@@ -323,6 +314,13 @@ def test_regional_compile_captures_the_same_graphs_whatever_the_depth(one_thread
     assert records[(1, True)]["graphs_compiled"] == records[(2, True)]["graphs_compiled"]
     assert records[(2, True)]["updates_inserted"] == records[(1, False)]["updates_inserted"]
     assert records[(2, False)]["updates_inserted"] == 2 * records[(2, True)]["updates_inserted"]
+    rows = compile_overhead.regional_table(list(records.values())).rows
+    assert [row[:2] for row in rows] == [
+        ["1", "whole model"],
+        ["1", "regional"],
+        ["2", "whole model"],
+        ["2", "regional"],
+    ]
 
 
 def test_optimizers_clipping_table_runs_every_arm_in_rounds_and_states_its_goals(one_thread):
@@ -362,7 +360,8 @@ def test_hot_path_profiles_each_update_beside_its_equal_work_twin(one_thread):
     hooks alike), the logged norms only where Sonar takes them, and every eager goal measured."""
     quick = next(m.quick for m in profiles.MODES if m.flag == "--profile")
     cfg = dataclasses.replace(quick, modes=("eager",))
-    tables, goals, records = profiles.run_profile(cfg)
+    out = profiles.run_profile(cfg)
+    tables, goals, records = out.tables, out.goals, out.records
     assert [r["error"] for r in records] == [None] * 4
     assert all(
         len(r["cpu_s"]) == cfg.rounds and len(r["op_calls"]["aten::_fused_adamw_"]) == 2 for r in records

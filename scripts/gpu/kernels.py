@@ -386,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backends", nargs="*", choices=list(BACKENDS), help="default: all")
     p.add_argument("--compilers", nargs="*", choices=["eager", "aot_eager", "inductor"])
     p.add_argument("--layers", type=int, default=2, help="MoE layers of the GPU model (default 2)")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     common.setup(args)
     cfg = configure(args)
