@@ -198,17 +198,6 @@ class Config:
 QUICK = Config(cases=CASES[:1] + CASES[6:7] + DEFERRED_CASES[1:2], paper_rows=PAPER_ROWS[8:], sweep={})
 
 
-REAL_SIZE = common.Mode(
-    flag="--real-size",
-    script=f"{SCRIPT}_real_size",
-    question="Question: at real layer shapes, how close is the plan to the measured step (peak, saving)?",
-    default=replace(Config(), cases=REAL_CASES, paper_rows=(), sweep={}, timed_steps=1),
-    quick=replace(QUICK, cases=REAL_CASES[:1], paper_rows=(), sweep={}, timed_steps=1),
-)
-"""Real layer shapes instead (`--quick`: OLMoE's batch 1 only), no paper rows."""
-MODES = [REAL_SIZE]
-
-
 def measure_case(case: Case, methods: Sequence[str], timed_steps: int = 0) -> list[dict[str, Any]]:
     """Plan `case` on fake CPU tensors, then measure the same step on real ones; one record per method
     (then `timed_steps` more steps, timed)."""
@@ -625,24 +614,49 @@ def write_doc(
     doc.write_text(new)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cases = common.Override(
-        field="cases", choices=("none",), help="none: plan the paper's rows only", parse=lambda _: ()
-    )
-    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases], modes=MODES)
-    cfg = inv.cfg
+def measure_cases(cfg: Config) -> list[dict[str, Any]]:
     records = []
     for case in cfg.cases:
         print(
             f"case {case.label}: planning and measuring {', '.join(case.methods or cfg.methods)}", flush=True
         )
         records += measure_case(case, cfg.methods, cfg.timed_steps)
+    return records
+
+
+def real_size(cfg: Config) -> common.Output:
+    """`--real-size`: each real-size arm planned and measured, graded against its own case's standard."""
+    records = measure_cases(cfg)
+    rows = plan_real_size.rows(records)
+    return common.Output(
+        tables=[plan_real_size.table(rows, cfg.tolerance, cfg.saving_tolerance)],
+        goals=plan_real_size.goals(rows, cfg.tolerance, cfg.saving_tolerance),
+        records=records,
+    )
+
+
+REAL_SIZE = common.Mode(
+    flag="--real-size",
+    script=f"{SCRIPT}_real_size",
+    question="Question: at real layer shapes, how close is the plan to the measured step (peak, saving)?",
+    default=replace(Config(), cases=REAL_CASES, paper_rows=(), sweep={}, timed_steps=1),
+    quick=replace(QUICK, cases=REAL_CASES[:1], paper_rows=(), sweep={}, timed_steps=1),
+    run=real_size,
+)
+"""Real layer shapes instead (`--quick`: OLMoE's batch 1 only), no paper rows."""
+MODES = [REAL_SIZE]
+
+
+def main(argv: list[str] | None = None) -> None:
+    cases = common.Override(
+        field="cases", choices=("none",), help="none: plan the paper's rows only", parse=lambda _: ()
+    )
+    inv = common.start(SCRIPT, __doc__, argv, default=Config(), quick=QUICK, overrides=[cases], modes=MODES)
+    cfg = inv.cfg
     if inv.script == REAL_SIZE.script:
-        rows = plan_real_size.rows(records)
-        tables = [plan_real_size.table(rows, cfg.tolerance, cfg.saving_tolerance)]
-        goal_list = plan_real_size.goals(rows, cfg.tolerance, cfg.saving_tolerance)
-        inv.finish(tables, goals=goal_list, records=records)
+        inv.write(REAL_SIZE.run(cfg))
         return
+    records = measure_cases(cfg)
     plans = paper_plans(cfg) if cfg.paper_rows else {}
     acc, paper, sweep = accuracy_rows(records), paper_rows(cfg, plans), sweep_rows(cfg, plans)
     goal_list = goals(cfg, acc, paper, plans, sweep)
