@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 import sonar_fx
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.models import build_model
+from sonar_fx.models.tiny import enable_activation_checkpointing
 
 from helpers import CFG, assert_same_weights, batches, known_library_failure
 
@@ -264,7 +265,7 @@ def test_gradient_checkpointing_recomputes_the_capture_and_stays_exact():
     are the recomputed ones, and two micro-batches still train as plain torch does."""
     model, opt, twin_model, twin = pair("eager", torch.float32, "all")
     for m in (model, twin_model):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert enable_activation_checkpointing(m, {"use_reentrant": False})
     run_steps(model, opt, twin, accum=2)
     assert opt.deferred.last_peak_bytes > 0 and opt.report()["deferred"]["kept_whole"] == []
     assert_same_weights(model, twin_model)

@@ -33,16 +33,15 @@ from sonar_fx.experts.kernels import BACKENDS, use_kernel_backend
 from sonar_fx.measure import ArmResult, Spread, measure_arm, run_rounds, short_error
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.planner.models import PRESETS
 
 SCRIPT = "gpu"
 """Results name (results/gpu/; the smoke mode writes gpu_smoke)."""
 MODULE = "scripts.gpu.olmoe"
 GIB = 2**30
 
-OLMOE_1B_7B: dict[str, Any] = dict(
-    hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_hidden_layers=16,
-    num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, max_position_embeddings=4096,
-)  # fmt: skip
+OLMOE_1B_7B: dict[str, Any] = {**PRESETS["olmoe-1b-7b"].fields, "max_position_embeddings": 4096}
+"""The planner's OLMoE-1B-7B preset: the run and its plan build one configuration."""
 TINY: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=4, vocab_size=512, max_position_embeddings=512,

@@ -40,7 +40,8 @@ def _check_record(obj: Any, where: str, index: int) -> dict[str, str]:
 
 
 def _check_text(text: str, where: str, index: int, field: str) -> None:
-    """JSON's \\uXXXX escapes can spell half of a surrogate pair, which no tokenizer can encode."""
+    """A JSON `\\u` escape (four hex digits) can spell half of a surrogate pair, which no tokenizer can
+    encode."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
