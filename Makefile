@@ -6,12 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sonar-fx-installed
 
-.PHONY: demo test test-fast test-gpu-versions lint docs bench bench-quick bench-gpu gpu-rehearsal clean
+.PHONY: demo test test-fast test-latest pins test-gpu-versions lint docs bench bench-quick bench-gpu gpu-rehearsal clean
 
-$(STAMP): pyproject.toml Makefile
+# Every install takes its versions from constraints.txt (the set `make test` last passed with), so a
+# library released yesterday cannot turn a fresh clone red; `make test-latest` is how a pin moves.
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -43,6 +45,24 @@ test: lint docs
 test-fast: $(STAMP)
 	@rc=0; $(PYTEST) -m "$(FAST)" $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
+# The fast tier against the newest release of every dependency but torch (pinned: the CPU wheel on local
+# disk), in its own venv, rebuilt on every run. When it passes, `make pins` writes those versions into
+# constraints.txt; then `make test` on the new pins decides whether the move lands.
+LATEST_VENV := .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+test-latest:
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q torch==2.13.0
+	$(LATEST_PY) -m pip install -q --upgrade -e ".[dev]" torch==2.13.0
+	$(LATEST_PY) -c "import transformers; print('transformers', transformers.__version__)"
+	@rc=0; $(LATEST_PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		-m "$(FAST)" $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; rc=0; fi; exit $$rc
+
+pins: $(LATEST_VENV)/bin/python
+	{ sed -n '/^#/p' constraints.txt; $(LATEST_PY) -m pip freeze --exclude-editable | grep -v '^sonar-fx' \
+		| sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 # The fast tier against the GPU image's library versions (transformers 5.17, triton 3.6; the image has
 # torch 2.11), in a second venv, so that a GPU run finds no version problem the CPU could have found.
@@ -103,4 +123,4 @@ gpu-rehearsal: $(STAMP)
 	PYTHON=$(PY) bash scripts/gpu_check.sh --rehearse
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache .mypy_cache build/site  # results/ is committed: the docs quote it
+	rm -rf $(VENV) $(GPU_VENV) $(LATEST_VENV) .pytest_cache .ruff_cache .mypy_cache build/site  # results/ is committed: the docs quote it
