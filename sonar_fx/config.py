@@ -11,8 +11,10 @@ matrix's momentum alone. They never hold tensors or model state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeAlias
+
+from sonar_fx.config_options import refuse_unknown_options
 
 ExpertClip = Literal["per_tensor", "global"] | None
 EXPERT_CLIPS: tuple[ExpertClip, ...] = (None, "per_tensor", "global")
@@ -45,6 +47,12 @@ class _OptimizerConfig:
     inside its update) or "global" (one norm over dense AND expert gradients, exactly as standard
     training clips; costs a second forward and backward: `SonarOptimizer.backward(closure)` runs
     both)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Before the dataclass's own __init__: a torch optimizer's keyword (maximize=, ...) is refused
+        # naming the alternative, not with a bare "unexpected keyword argument".
+        refuse_unknown_options(cls.__name__, {f.name for f in fields(cls) if f.init}, kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._check(self.lr >= 0 and math.isfinite(self.lr), "lr", self.lr, "a finite number >= 0")

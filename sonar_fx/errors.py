@@ -46,3 +46,12 @@ class SavingLostError(SonarUsageError):
     def __init__(self, message: str, tensors: list[str]) -> None:
         super().__init__(message)
         self.tensors = tensors
+
+
+class UnsupportedOptionError(SonarUsageError, TypeError):
+    """An optimizer config was given an option Sonar does not compute (a torch optimizer's `maximize=`,
+    `amsgrad=`, ...); `option` names it. A TypeError too, as the unknown keyword it replaces."""
+
+    def __init__(self, message: str, option: str) -> None:
+        super().__init__(message)
+        self.option = option

@@ -5,6 +5,7 @@ It only checks; it never changes a tensor or a setting.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -108,3 +109,27 @@ def refuse_changed_grads(names: list[str], max_grad_norm: float | None, experts_
         "None, so clip_grad_norm_(model.parameters()) then clips the dense gradients only, as the method "
         "does); for a clip over ALL parameters, schedule='deferred'." + after
     )
+
+
+_UNSEEN_BECAUSE = {
+    "graph": "a compiled graph consumes this gradient and updates the tensor inside the graph",
+    "deferred": "schedule='deferred' computes this gradient at step(), from operands kept in backward",
+}
+
+
+def refuse_unseen_grad_hooks(params: Iterable[Tensor], name_of: Callable[[Tensor], str], path: str) -> None:
+    """Raise naming the first tensor of `params` that holds a gradient hook of the user's (`register_hook`)
+    when autograd never hands that tensor's gradient to it: a compiled graph consumes the gradient (the
+    hook then receives None), or the deferred schedule computes it at `step()` (the hook never runs).
+    `path` ("graph" or "deferred") says which; the fix: the eager in-backward path (the hook runs first)."""
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            hook = next(iter(hooks.values()))
+            raise SonarUsageError(
+                f"{name_of(p)} has a gradient hook of yours ({getattr(hook, '__qualname__', repr(hook))}, "
+                f"registered with register_hook): {_UNSEEN_BECAUSE[path]}, so the hook would not change the "
+                "update. Use sonar_fx.compile(..., compiler='eager') with the in-backward schedule, where "
+                "the hook runs on the gradient before its update (exact), or remove the hook "
+                "(handle.remove()) and scale the loss instead."
+            )

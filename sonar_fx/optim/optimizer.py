@@ -25,11 +25,12 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
-from sonar_fx.optim import deferred, global_clip, lowbit
+from sonar_fx.optim import added_groups, deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.grad_watch import DenseGradWatch
+from sonar_fx.optim.group_checks import refuse_before_update, refuse_group_edits
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
 from sonar_fx.optim.norms import ExpertClipper, plain
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
@@ -99,8 +100,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.experts = ExpertSet(tuple(expert_layers))
         self.stats = SonarStats()
         self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
-        self.compiler = compiler
-        self.distributed = distributed
+        self.compiler, self.distributed = compiler, distributed
         self.untracked: UntrackedGradients | None = None
         """Watches the model for trainable tensors no group holds (set by `prepare`)."""
         experts = self.experts.params
@@ -146,33 +146,27 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
         self._names = self.experts.names_by_id()
-        flat = [p for g in self.param_groups for p in g["params"]]
-        self._order = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
-        self._label = {id(p): name for p, name in zip(flat, self._labels, strict=True) if name}
-        dense = [p for p in flat if id(p) not in self._names]
-        self._dense = sorted(dense, key=lambda p: self._order[id(p)])  # the groups are fixed once built
+        self._index_params()
         params = self.experts.params
         for p in params:
             registry.bind(p, self)
         handles = hooks.register_expert_hooks(params)
         weakref.finalize(self, _release, handles)
 
+    def _index_params(self) -> None:
+        """Model order, labels and the dense tensors, from `_norm_rank` / `_labels` (per flat param)."""
+        flat = [p for g in self.param_groups for p in g["params"]]
+        self._order = {id(p): r for p, r in zip(flat, self._norm_rank, strict=True)}
+        self._label = {id(p): name for p, name in zip(flat, self._labels, strict=True) if name}
+        dense = [p for p in flat if id(p) not in self._names]
+        self._dense = sorted(dense, key=lambda p: self._order[id(p)])  # changed by add_param_group only
+
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer pickles only defaults, state and param_groups: keep Sonar's own fields, drop
         # what belongs to one process (hooks, the step in progress).
         state = super().__getstate__()
-        keep = (
-            "cfg",
-            "_norm_rank",
-            "_labels",
-            "granularity",
-            "accumulation",
-            "nonfinite",
-            "schedule",
-            "experts",
-            "stats",
-            "saving",
-        )
+        keep = ["cfg", "_norm_rank", "_labels", "granularity", "accumulation", "nonfinite", "schedule"]
+        keep += ["experts", "stats", "saving"]
         state.update({k: self.__dict__[k] for k in keep})
         state.update(compiler=self.compiler, distributed=None)
         # The watched model itself (a deep copy of the model maps it to the copy); weak again once restored.
@@ -224,9 +218,20 @@ class SonarOptimizer(torch.optim.Optimizer):
         """The model's name of a dense parameter, for messages."""
         return self._label.get(id(param)) or f"dense tensor #{self._order[id(param)]}"
 
+    def group_rules(self) -> list[tuple[dict[str, Any], Any]]:
+        """(param group, its rule) of every group: Muon's third its matrix rule, any added later the dense."""
+        rules = [self.rule, self.expert_rule] + ([self.matrix_rule] if self.matrix_rule is not None else [])
+        return [(g, rules[i] if i < len(rules) else self.rule) for i, g in enumerate(self.param_groups)]
+
     def _dense_updates(self) -> list[tuple[dict[str, Any], Any]]:
         """(param group, its rule) of every group updated at `step()`."""
-        return [(self.dense_group, self.rule)] + [(g, self.matrix_rule) for g in self.param_groups[2:]]
+        return [(g, rule) for g, rule in self.group_rules() if g is not self.expert_group]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, for a dense group (`added_groups`): stepped at `step()` with the dense rule."""
+        if not hasattr(self, "_order"):  # torch's __init__ adding the groups Sonar built
+            return super().add_param_group(param_group)
+        added_groups.add_param_group(self, param_group, super().add_param_group)
 
     def _state(self, param: Tensor, *, expert: str | None = None, rule: Any = None) -> dict[str, Any]:
         state = self.state[param]
@@ -262,6 +267,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "backend). Prepare every model of one class with the same schedule, or call "
                 "torch._dynamo.reset() between them."
             )
+        refuse_before_update(self, path)  # a group edited mid-run; a hook of the user's the graph skips
         check_tensor(name, param, grad, self.state.get(param, {}))
         if self.distributed is None:
             refuse_unreduced(name, reduced)
@@ -285,6 +291,7 @@ class SonarOptimizer(torch.optim.Optimizer):
                 f"schedule={self.schedule!r} (a graph dynamo reused across models of one class). Prepare "
                 "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
             )
+        refuse_before_update(self, "deferred")
         self.deferred.add(param, name, recipe, operands)
 
     def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
@@ -342,6 +349,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             raise SonarUsageError("SonarOptimizer.step() takes no closure: experts update during backward.")
         if self.untracked is not None:
             self.untracked.check(p for group in self.param_groups for p in group["params"])
+        refuse_group_edits(self.group_rules())  # before any weight moves: a flag edited mid-run
         self.tracker.before_step()
         if self.schedule == "deferred":
             deferred.step(self)
@@ -349,10 +357,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         if not self.tracker.updated and self.grad_watch.stale(self._dense):
             refuse_second_step()
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
-            self._end_step()
+            self.end_step()
             return
         self.dense_step()
-        self._end_step()
+        self.end_step()
 
     def dense_step(self) -> None:
         """The dense half of `step()`: the dense (or, under expert_clip="global", total) norm, the
@@ -432,9 +440,6 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.deferred.clear()
 
     def end_step(self) -> None:
-        self._end_step()
-
-    def _end_step(self) -> None:
         self.grad_watch.step_finished(self._dense)
         self.saving.end_step(
             compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
@@ -471,18 +476,12 @@ class SonarOptimizer(torch.optim.Optimizer):
     def report(self) -> dict[str, Any]:
         """What Sonar found and did: expert tensors, update counts by path, compiles and fallbacks
         (`sonar_fx.optim.report`)."""
-        settings = {
-            "expert_layers": len(self.experts.layers),
-            "expert_tensors": len(self._names),
-            "granularity": self.granularity,
-            "optimizer": self.cfg.name,
-            "expert_rule": self.expert_rule.name,
-            "expert_clip": self.cfg.expert_clip,
-            "grad_norms": self.grad_norms(),
-            "compiler": self.compiler,
-            "nonfinite": self.nonfinite,
-            "schedule": self.schedule,
-        }
+        settings = dict(
+            expert_layers=len(self.experts.layers), expert_tensors=len(self._names), optimizer=self.cfg.name,
+            granularity=self.granularity, expert_rule=self.expert_rule.name, expert_clip=self.cfg.expert_clip,
+            grad_norms=self.grad_norms(), compiler=self.compiler, nonfinite=self.nonfinite,
+            schedule=self.schedule,
+        )  # fmt: skip
         saving = {
             **self.saving.report(),
             "updates_after_graph": self.meter.after_graph,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim.group_checks import refuse_uncomputed_flags
 from sonar_fx.optim.optimizer import SonarOptimizer
 
 _SONAR_ONLY = ("name",)
@@ -38,13 +39,15 @@ def to_torch_state_dict(opt: SonarOptimizer, *, single_group: bool = False) -> d
 def load_torch_state_dict(opt: SonarOptimizer, state_dict: dict[str, Any]) -> None:
     """Load the state dict of a torch Adam(W) into `opt`: one over Sonar's groups (dense, experts), or
     one over a single group in the model's order (see `to_torch_state_dict`). Group hyper-parameters
-    (the LR a scheduler left, ...) come from `state_dict`, as torch's loader takes them."""
+    (the LR a scheduler left, ...) come from `state_dict`, as torch's loader takes them; a flag whose
+    arithmetic Sonar does not compute (amsgrad, maximize, capturable, differentiable, a kernel other than
+    the fused one, another weight decay) is refused before anything loads (`group_checks`)."""
     _refuse_no_twin(opt)
     groups = state_dict["param_groups"]
     ours = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     if len(groups) == len(ours):
         merged = [{**mine, **theirs} for mine, theirs in zip(ours, groups, strict=True)]
-        opt.load_state_dict({"state": state_dict["state"], "param_groups": merged})
+        _load(opt, state_dict["state"], merged)
         return
     if len(groups) != 1:
         raise SonarUsageError(
@@ -67,7 +70,14 @@ def load_torch_state_dict(opt: SonarOptimizer, state_dict: dict[str, Any]) -> No
         n = len(group["params"])
         merged.append({**mine, **theirs, "params": list(range(start, start + n))})
         start += n
-    opt.load_state_dict({"state": state, "param_groups": merged})
+    _load(opt, state, merged)
+
+
+def _load(opt: SonarOptimizer, state: dict[Any, Any], groups: list[dict[str, Any]]) -> None:
+    """Load, unless a group's flag asks for arithmetic Sonar does not compute (refused before loading)."""
+    rules = [rule for _, rule in opt.group_rules()]
+    refuse_uncomputed_flags(zip(groups, rules, strict=True), where="load_torch_state_dict")
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _refuse_no_twin(opt: SonarOptimizer) -> None:
