@@ -118,7 +118,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("sonar_fx.runtime",)),  # the in-graph op and its weak registry
     ("passes", ("sonar_fx.passes",)),  # the graph passes: torch and their own files only
     ("data", ("sonar_fx.data",)),
-    ("config", ("sonar_fx.config",)),
+    ("config", ("sonar_fx.config", "sonar_fx.config_options")),
     ("experts", ("sonar_fx.experts",)),  # discovery, expert kernels, the discovery report
     ("models", ("sonar_fx.models",)),
     ("measurement", ("sonar_fx.memory", "sonar_fx.measure", "sonar_fx.environment", "sonar_fx.workload")),

@@ -40,8 +40,9 @@ class UntrackedGradients:
         warnings.warn(
             f"sonar: {len(names)} trainable tensor(s) have a gradient but are in no param group of "
             f"model.sonar ({shown}): they never train, and their .grad grows at every backward. They were "
-            "added or unfrozen after sonar_fx.compile / prepare (PEFT adapters, for one). Add adapters and "
-            "set requires_grad before sonar_fx.compile, or freeze them (requires_grad_(False)).",
+            "added or unfrozen after sonar_fx.compile / prepare (PEFT adapters, for one). Add them with "
+            "model.sonar.add_param_group({'params': [...]}), set requires_grad before sonar_fx.compile, or "
+            "freeze them (requires_grad_(False)).",
             stacklevel=3,
         )
         return names
