@@ -73,6 +73,25 @@ def train_with_side_backwards(model: nn.Module, data: list[dict], step: Callable
         step()
 
 
+def side_backwards_twin(
+    data: list[dict], name: str = "tiny-reference", compile_with: str | None = None, cfg: AdamWConfig = CFG
+) -> nn.Module:
+    """Plain torch trained by `train_with_side_backwards`: AdamW(fused=True), the dense gradients
+    clipped; `compile_with`: a torch.compile backend for the twin (None: eager)."""
+    twin = build_model(name, seed=0)
+    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(twin.parameters(), fused=True, **hyper)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(dense_params(twin), cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+
+    runner = twin if compile_with is None else torch.compile(twin, backend=compile_with)
+    train_with_side_backwards(runner, data, step)
+    return twin
+
+
 def flip_a_byte_of_tensor_data(path: Path) -> None:
     """Flip one byte in the middle of the largest tensor record of a torch.save zip (stored, not
     compressed), as a bad disk or a bad copy would."""

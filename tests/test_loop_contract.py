@@ -25,6 +25,7 @@ from helpers import (
     assert_same_weights,
     batches,
     expert_params,
+    side_backwards_twin,
     train_with_side_backwards,
     weights_differ,
 )
@@ -251,20 +252,6 @@ def test_sonar_backend_on_a_prepared_model_does_not_warn(monkeypatch):
 # 8 ---------------------- side backwards: torch.autograd.grad, backward(inputs=...), create_graph=True
 
 
-def _plain_twin_steps(data):
-    """Plain torch through `train_with_side_backwards`: the twin of a Sonar model trained the same way."""
-    twin = build_model("tiny-reference", seed=0)
-    opt = torch.optim.AdamW(twin.parameters(), fused=True, **_hyper())
-
-    def step():
-        torch.nn.utils.clip_grad_norm_(_dense(twin), CFG.max_grad_norm)
-        opt.step()
-        opt.zero_grad()
-
-    train_with_side_backwards(twin, data, step)
-    return twin
-
-
 def _sonar_steps(model):
     return lambda: (model.sonar.step(), model.sonar.zero_grad())
 
@@ -276,7 +263,7 @@ def test_backwards_that_leave_experts_out_train_exactly_as_plain_torch(compiler)
     data = batches(4)[:3]
     model = _model(compiler)
     train_with_side_backwards(model, data, _sonar_steps(model))
-    twin = _plain_twin_steps(data)
+    twin = side_backwards_twin(data)
     assert_same_weights(model, twin)
     first, second = expert_params(model)[:2]
     assert not torch.equal(first, expert_params(_model())[0]) and weights_differ(twin, _model())
