@@ -33,8 +33,11 @@ from helpers import (
 COMPILERS = ["eager", "aot_eager"]
 
 
-def _model(compiler="eager", cfg=CFG, **kwargs):
-    torch._dynamo.reset()
+def _model(compiler="eager", cfg=CFG, *, reset=True, **kwargs):
+    """`reset=False` lets dynamo reuse a graph an earlier test compiled for this model class (graphs
+    bind at run time: the reuse is safe, and saves the compile)."""
+    if reset:
+        torch._dynamo.reset()
     return sonar_fx.compile(build_model("tiny-reference", seed=0), cfg, compiler=compiler, **kwargs)
 
 
@@ -280,7 +283,7 @@ def test_without_asking_the_engine_a_side_autograd_grad_moves_every_expert(monke
     in a side autograd.grad of the embedding, and the step's own backward is then refused as
     accumulation, after the weights moved: what the engine's answer prevents."""
     monkeypatch.setattr(update_op, "gradient_fate", lambda param: "accumulate")
-    model = _model("aot_eager")
+    model = _model("aot_eager", reset=False)
     before = _weights(model)
     torch.autograd.grad(model(**batches(1)[0]).loss, _dense(model)[:1])
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
@@ -290,7 +293,7 @@ def test_without_asking_the_engine_a_side_autograd_grad_moves_every_expert(monke
 
 
 def test_autograd_grad_of_an_expert_is_refused_before_any_weight_moves():
-    model = _model("aot_eager")
+    model = _model("aot_eager", reset=False)
     before = _weights(model)
     with pytest.raises(
         sonar_fx.SonarUsageError, match=r"torch\.autograd\.grad\(\.\.\.\) asked for .*experts"
@@ -319,7 +322,7 @@ def test_create_graph_backward_is_refused_before_any_weight_moves(compiler):
 
 
 def test_backward_after_a_side_backward_that_moved_an_expert_names_it():
-    model = _model("aot_eager")
+    model = _model("aot_eager", reset=False)
     model(**batches(1)[0]).loss.backward(inputs=_dense(model) + expert_params(model)[:1])
     before = _weights(model)
     with pytest.raises(
