@@ -333,5 +333,16 @@ def test_backward_after_a_side_backward_that_moved_an_expert_names_it():
     _unchanged(model, before)
 
 
+def test_accumulation_after_a_side_autograd_grad_is_still_named_accumulation():
+    """The side call left every expert out but updated none: the backward after the step's own one is
+    accumulation, and the message says so rather than blaming the side call."""
+    model = _model("aot_eager", reset=False)
+    torch.autograd.grad(model(**batches(1)[0]).loss, _dense(model)[:1])
+    model(**batches(1)[0]).loss.backward()
+    with pytest.raises(sonar_fx.SonarUsageError, match="looks like gradient accumulation") as err:
+        model(**batches(1)[0]).loss.backward()
+    assert "side backward that" not in str(err.value)
+
+
 def _name(model, param):
     return next(n for n, p in model.named_parameters() if p is param)

@@ -53,8 +53,8 @@ class StepTracker:
         """Backwards seen beginning at the model's outputs."""
         self.interrupted: list[str] | None = None
         """Names the interrupted backward had updated, once an interruption was detected."""
-        self.left_out: set[str] = set()
-        """Expert tensors whose in-graph update a backward of this step did not want (side backwards)."""
+        self.left_out: dict[str, tuple[str, int]] = {}
+        """Expert tensor name -> the backward of this step that did not want its in-graph update."""
         self.create_graph = False
         """The open backward, seen beginning, builds a graph of its gradients (`create_graph=True`)."""
         self._warned_accumulation = False
@@ -79,12 +79,18 @@ class StepTracker:
     def _earlier_backward(self) -> str:
         first, more = next(iter(self.updated)), len(self.updated) - 1
         what = f"a second backward began (this step already updated {first} and {more} more in-backward"
-        if not self.left_out:
+        side = self._side_left_out()
+        if not side:
             return what + ")"
         return (
-            f"{what}, in a side backward that left {len(self.left_out)} expert tensor(s) out, e.g. "
-            f"{min(self.left_out)}: backward(inputs=...) with expert tensors among its inputs)"
+            f"{what}, in a side backward that left {len(side)} expert tensor(s) out, e.g. {side[0]}: "
+            "backward(inputs=...) with expert tensors among its inputs)"
         )
+
+    def _side_left_out(self) -> list[str]:
+        """Experts left out by a backward of this step that updated others: a `backward(inputs=...)`."""
+        updating = set(self.updated.values())
+        return sorted(name for name, key in self.left_out.items() if key in updating)
 
     def not_accumulated(self, name: str, fate: GradientFate) -> None:
         """The running backward adds nothing to `name`'s `.grad` (`sonar_fx.runtime.engine`): a left-out
@@ -93,11 +99,11 @@ class StepTracker:
             raise SonarUsageError(
                 f"torch.autograd.grad(...) asked for the gradient of the expert tensor {name}, which the "
                 "compiled backward consumes in-graph for its update (the default in_backward schedule): "
-                "it cannot be returned. Refused before any weight moved. Leave expert tensors out of "
+                "it cannot be returned. This call moved no weight. Leave expert tensors out of "
                 "torch.autograd.grad's inputs, or train with compiler='eager', whose hooks leave "
                 "torch.autograd.grad alone."
             )
-        self.left_out.add(name)
+        self.left_out[name] = self._backward_key(torch._C._current_graph_task_id())
 
     def before_update(self, name: str) -> bool:
         """Raise if updating `name` now would train differently from what was asked; True when this is
@@ -156,7 +162,7 @@ class StepTracker:
     def reset(self) -> None:
         """Forget the step in progress (after `step()` or `abandon_step()`)."""
         self.updated, self.open_task, self.interrupted, self.rooted = {}, None, None, False
-        self.left_out, self.create_graph = set(), False
+        self.left_out, self.create_graph = {}, False
 
     def interrupted_error(self, at: str) -> InterruptedStepError:
         names = self.interrupted or []
@@ -174,7 +180,7 @@ class StepTracker:
         if self.accumulation is None:
             cause = (
                 "a side backward that reached the experts"
-                if self.left_out
+                if self._side_left_out()
                 else "this looks like gradient accumulation (or a second backward through a retained graph)"
             )
             raise SonarUsageError(
