@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy
@@ -45,6 +46,50 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 def weights_differ(a: nn.Module, b: nn.Module) -> list[str]:
     pb = dict(b.named_parameters())
     return [n for n, p in a.named_parameters() if not torch.equal(p, pb[n])]
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The batched expert tensors of a tiny model, by name (the same list for a Sonar model and its twin)."""
+    return [p for n, p in model.named_parameters() if ".experts." in n]
+
+
+def dense_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".experts." not in n]
+
+
+def train_with_side_backwards(model: nn.Module, data: list[dict], step: Callable[[], None]) -> None:
+    """One step per batch, each through backwards that plain torch keeps off some experts' `.grad`:
+    batch 0, a side `torch.autograd.grad` of the first parameter (the embedding), then the ordinary
+    backward; batch 1, `backward(inputs=dense + the first expert tensor)`; later batches,
+    `backward(inputs=dense)`. `step()`: the optimizer step and zero_grad (and the twin's clip)."""
+    first = next(iter(model.parameters()))
+    for i, batch in enumerate(data):
+        if i == 0:
+            torch.autograd.grad(model(**batch).loss, [first])
+            model(**batch).loss.backward()
+        else:
+            inputs = dense_params(model) + (expert_params(model)[:1] if i == 1 else [])
+            model(**batch).loss.backward(inputs=inputs)
+        step()
+
+
+def side_backwards_twin(
+    data: list[dict], name: str = "tiny-reference", compile_with: str | None = None, cfg: AdamWConfig = CFG
+) -> nn.Module:
+    """Plain torch trained by `train_with_side_backwards`: AdamW(fused=True), the dense gradients
+    clipped; `compile_with`: a torch.compile backend for the twin (None: eager)."""
+    twin = build_model(name, seed=0)
+    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(twin.parameters(), fused=True, **hyper)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(dense_params(twin), cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+
+    runner = twin if compile_with is None else torch.compile(twin, backend=compile_with)
+    train_with_side_backwards(runner, data, step)
+    return twin
 
 
 def flip_a_byte_of_tensor_data(path: Path) -> None:

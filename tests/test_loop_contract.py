@@ -18,15 +18,26 @@ import sonar_fx
 from sonar_fx import backend
 from sonar_fx.backend import sonar_backend
 from sonar_fx.models import build_model
-from sonar_fx.runtime import registry
+from sonar_fx.runtime import registry, update_op
 
-from helpers import CFG, assert_same_weights, batches
+from helpers import (
+    CFG,
+    assert_same_weights,
+    batches,
+    expert_params,
+    side_backwards_twin,
+    train_with_side_backwards,
+    weights_differ,
+)
 
 COMPILERS = ["eager", "aot_eager"]
 
 
-def _model(compiler="eager", cfg=CFG, **kwargs):
-    torch._dynamo.reset()
+def _model(compiler="eager", cfg=CFG, *, reset=True, **kwargs):
+    """`reset=False` lets dynamo reuse a graph an earlier test compiled for this model class (graphs
+    bind at run time: the reuse is safe, and saves the compile)."""
+    if reset:
+        torch._dynamo.reset()
     return sonar_fx.compile(build_model("tiny-reference", seed=0), cfg, compiler=compiler, **kwargs)
 
 
@@ -239,3 +250,99 @@ def test_sonar_backend_on_a_prepared_model_does_not_warn(monkeypatch):
         warnings.simplefilter("error", UserWarning)
         compiled(**batches(1)[0]).loss.backward()
     opt.step()
+
+
+# 8 ---------------------- side backwards: torch.autograd.grad, backward(inputs=...), create_graph=True
+
+
+def _sonar_steps(model):
+    return lambda: (model.sonar.step(), model.sonar.zero_grad())
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_backwards_that_leave_experts_out_train_exactly_as_plain_torch(compiler):
+    """A side autograd.grad, backward(inputs=dense + one expert), backward(inputs=dense): each expert
+    moves only where torch would have added to its .grad. One compiled graph serves every kind."""
+    data = batches(4)[:3]
+    model = _model(compiler)
+    train_with_side_backwards(model, data, _sonar_steps(model))
+    twin = side_backwards_twin(data)
+    assert_same_weights(model, twin)
+    first, second = expert_params(model)[:2]
+    assert not torch.equal(first, expert_params(_model())[0]) and weights_differ(twin, _model())
+    report = model.sonar.report()
+    if compiler == "aot_eager":
+        # Step 0's side call leaves all 4 out, step 1 three, step 2 all 4; updated: 4 + 1.
+        assert report["updates_left_out"] == 4 + 3 + 4 and report["updates_in_graph"] == 5
+        assert report["graphs_compiled"] == 1 and report["recompiles"] == 0
+    assert torch.equal(second, dict(twin.named_parameters())[_name(model, second)])
+
+
+def test_without_asking_the_engine_a_side_autograd_grad_moves_every_expert(monkeypatch):
+    """Teeth: an update op that does not ask the engine (every update accumulates) updates every expert
+    in a side autograd.grad of the embedding, and the step's own backward is then refused as
+    accumulation, after the weights moved: what the engine's answer prevents."""
+    monkeypatch.setattr(update_op, "gradient_fate", lambda param: "accumulate")
+    model = _model("aot_eager", reset=False)
+    before = _weights(model)
+    torch.autograd.grad(model(**batches(1)[0]).loss, _dense(model)[:1])
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {_name(model, p) for p in expert_params(model)}
+    with pytest.raises(sonar_fx.SonarUsageError, match="looks like gradient accumulation"):
+        model(**batches(1)[0]).loss.backward()
+
+
+def test_autograd_grad_of_an_expert_is_refused_before_any_weight_moves():
+    model = _model("aot_eager", reset=False)
+    before = _weights(model)
+    with pytest.raises(
+        sonar_fx.SonarUsageError, match=r"torch\.autograd\.grad\(\.\.\.\) asked for .*experts"
+    ):
+        torch.autograd.grad(model(**batches(1)[0]).loss, expert_params(model)[-1:])
+    _unchanged(model, before)
+    _sonar_step(model, batches(1)[0])  # the refused call left nothing behind: the step is torch's first
+    assert_same_weights(model, _twin(1)[0])
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_create_graph_backward_is_refused_before_any_weight_moves(compiler):
+    """Torch's own compiled backward already refuses create_graph=True while it donates buffers; with
+    donation off the graph runs, and Sonar refuses at the first expert update. A side autograd.grad with
+    create_graph=True that leaves the experts out is plain torch's (nothing moves)."""
+    with torch._functorch.config.patch(donated_buffer=False):
+        model = _model(compiler)
+        before = _weights(model)
+        (grad,) = torch.autograd.grad(model(**batches(1)[0]).loss, _dense(model)[:1], create_graph=True)
+        assert grad.requires_grad
+        _unchanged(model, before)
+        with pytest.raises(sonar_fx.SonarUsageError, match=r"backward\(create_graph=True\) reached"):
+            model(**batches(1)[0]).loss.backward(create_graph=True)
+        _unchanged(model, before)
+
+
+def test_backward_after_a_side_backward_that_moved_an_expert_names_it():
+    model = _model("aot_eager", reset=False)
+    model(**batches(1)[0]).loss.backward(inputs=_dense(model) + expert_params(model)[:1])
+    before = _weights(model)
+    with pytest.raises(
+        sonar_fx.SonarUsageError, match=r"side backward that left 3 expert tensor\(s\) out"
+    ) as err:
+        model(**batches(1)[0]).loss.backward()
+    assert "looks like gradient accumulation" not in str(err.value)
+    _unchanged(model, before)
+
+
+def test_accumulation_after_a_side_autograd_grad_is_still_named_accumulation():
+    """The side call left every expert out but updated none: the backward after the step's own one is
+    accumulation, and the message says so rather than blaming the side call."""
+    model = _model("aot_eager", reset=False)
+    torch.autograd.grad(model(**batches(1)[0]).loss, _dense(model)[:1])
+    model(**batches(1)[0]).loss.backward()
+    with pytest.raises(sonar_fx.SonarUsageError, match="looks like gradient accumulation") as err:
+        model(**batches(1)[0]).loss.backward()
+    assert "side backward that" not in str(err.value)
+
+
+def _name(model, param):
+    return next(n for n, p in model.named_parameters() if p is param)

@@ -16,10 +16,20 @@ import torch
 from torch._dynamo.utils import counters
 
 import sonar_fx
+from sonar_fx.backend import make_sonar_backend
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
+from sonar_fx.runtime.engine import gradient_fate
 
-from helpers import CFG, assert_same_weights, batches, known_library_failure, weights_differ
+from helpers import (
+    CFG,
+    assert_same_weights,
+    batches,
+    known_library_failure,
+    side_backwards_twin,
+    train_with_side_backwards,
+    weights_differ,
+)
 
 LAYERS = 3  # at least three blocks share one graph
 
@@ -182,3 +192,88 @@ def test_deep_copy_of_the_optimizer_alone_keeps_its_config():
     assert clone.cfg == CFG and clone.granularity == "batched"
     pairs = zip(clone.expert_group["params"], model.sonar.expert_group["params"], strict=True)
     assert all(p is not q for p, q in pairs)
+
+
+SIDE_ROUTES = [
+    "regional",
+    "backend_sonar",
+    pytest.param("backend_sonar_inductor", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("route", SIDE_ROUTES)
+def test_side_backwards_through_shared_graphs_train_as_plain_torch(route, deterministic):
+    """torch.autograd.grad and backward(inputs=...) that leave experts out, through a block graph
+    shared by both layers (regional), or a model compiled with the "sonar" backend after `prepare`
+    (aot_eager; inductor, the registered backend, against a twin compiled by inductor): each expert
+    moves only where plain torch adds to its .grad."""
+    data = batches(3)
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", seed=0)
+    if route == "regional":
+        runner = sonar_fx.compile(model, CFG, compiler="aot_eager", regional=True)
+        opt = runner.sonar
+    else:
+        opt = sonar_fx.prepare(model, CFG)
+        backend = "sonar" if route.endswith("inductor") else make_sonar_backend("aot_eager")
+        runner = torch.compile(model, backend=backend)
+    train_with_side_backwards(runner, data, lambda: (opt.step(), opt.zero_grad()))
+    twin = side_backwards_twin(data, compile_with="inductor" if route.endswith("inductor") else None)
+    assert_same_weights(model, twin)
+    assert weights_differ(model, build_model("tiny-reference", seed=0))
+    report = opt.report()
+    # 2 layers x 2 tensors: all left out by step 0's side call and by step 2, three by step 1.
+    assert report["updates_left_out"] == 4 + 3 + 4 and report["updates_in_graph"] == 4 + 1
+    assert report["graphs_compiled"] + report["graphs_from_cache"] == 1 and report["recompiles"] == 0
+
+
+_fates: list[str] = []
+
+
+@torch.library.custom_op("sonar_test::record_fate", mutates_args=("param",))
+def _record_fate(param: torch.Tensor) -> None:
+    """Inside a custom op's body (below autograd's dispatch keys), as the update op asks."""
+    _fates.append(gradient_fate(param))
+
+
+class _OneNode(torch.autograd.Function):
+    """One autograd node for two leaves, as a compiled graph is: it runs when either needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, p, q):
+        ctx.p = p
+        return p * q
+
+    @staticmethod
+    def backward(ctx, grad):
+        _record_fate(ctx.p)
+        return grad, grad
+
+
+def test_gradient_fate_is_the_engines_answer_for_the_backward_in_progress():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    calls = {
+        "backward()": lambda out: out.backward(),
+        "backward(inputs=[q])": lambda out: out.backward(inputs=[q]),
+        "backward(inputs=[p])": lambda out: out.backward(inputs=[p]),
+        "autograd.grad(q)": lambda out: torch.autograd.grad(out, [q]),
+        "autograd.grad(p)": lambda out: torch.autograd.grad(out, [p]),
+    }
+    seen = {}
+    for name, call in calls.items():
+        _fates.clear()
+        call(_OneNode.apply(p, q).sum())
+        seen[name] = list(_fates)
+    assert seen == {
+        "backward()": ["accumulate"],
+        "backward(inputs=[q])": ["left_out"],
+        "backward(inputs=[p])": ["accumulate"],
+        "autograd.grad(q)": ["left_out"],
+        "autograd.grad(p)": ["requested"],
+    }
+    assert gradient_fate(p) == "accumulate", "outside any backward: the caller asked for the update"
+    p.requires_grad_(False)  # frozen: torch adds nothing to its .grad
+    p.grad = None
+    out, _fates[:] = _OneNode.apply(p, q).sum(), []
+    out.backward()
+    assert _fates == ["left_out"] and p.grad is None

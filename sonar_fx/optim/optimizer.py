@@ -41,6 +41,7 @@ from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.optim.untracked import UntrackedGradients
 from sonar_fx.runtime import hooks, registry
+from sonar_fx.runtime.engine import GradientFate
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 Granularity = Literal["batched", "per_expert"]
@@ -293,6 +294,12 @@ class SonarOptimizer(torch.optim.Optimizer):
             )
         refuse_before_update(self, "deferred")
         self.deferred.add(param, name, recipe, operands)
+
+    def not_accumulated(self, param: Tensor, fate: GradientFate) -> None:
+        """The in-graph update of `param` met a backward that adds nothing to its `.grad` (see
+        `sonar_fx.runtime.engine`): left out, or refused (`StepTracker.not_accumulated`)."""
+        self.tracker.not_accumulated(self.expert_name(param), fate)
+        self.stats.left_out += 1
 
     def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
         """The deferred step's `check_tensor` (fp16 weights allowed: the update waits for `step()`)."""

@@ -23,6 +23,7 @@ def report(
         "updates_by_hook": s.updates["hook"],
         "updates_deferred": s.updates["deferred"],
         "updates_kept_whole": s.updates["kept"],
+        "updates_left_out": s.left_out,
         "update_calls": s.update_calls,
         "graphs_compiled": s.graphs_compiled,
         "graphs_from_cache": s.graphs_from_cache,

@@ -14,6 +14,9 @@ class SonarStats:
     updates: Counter[str] = field(default_factory=Counter)
     """Expert updates so far, by path: "graph", "hook", or at step() under the deferred schedule,
     "deferred" (from kept operands) or "kept" (from a gradient kept whole)."""
+    left_out: int = 0
+    """In-graph updates not run because the backward did not add to that expert's .grad
+    (`torch.autograd.grad`, `backward(inputs=...)` leaving it out): the gradient was dropped, as torch's."""
     update_calls: int = 0
     """Calls into the fused kernel (2L per step batched, 2EL per expert)."""
     graphs_compiled: int = 0

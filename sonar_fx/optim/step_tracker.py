@@ -10,7 +10,11 @@ Graph-task ids alone would be wrong for a backward that runs nested backwards (r
 runs each layer's backward as its own task inside the outer one): the first nested task to finish would
 look like the end of the step. From that the tracker tells apart: gradient accumulation (a second
 backward before `step()`), one tensor updated twice in ONE backward (a module that runs twice per
-forward), and a step left partial by an exception. It never updates anything itself.
+forward), and a step left partial by an exception. A compiled graph's update that the running
+backward does not want (`sonar_fx.runtime.engine`: `torch.autograd.grad`, `backward(inputs=...)`
+leaving the expert out) is recorded as left out, so a later refusal names that side backward; an
+expert requested by `torch.autograd.grad`, or an update in a `create_graph=True` backward, is refused
+before the update. It never updates anything itself.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
 from sonar_fx.optim.checks import refuse_fp16_autocast
 from sonar_fx.optim.saving import watch_compiled_forward
+from sonar_fx.runtime.engine import GradientFate
 
 Accumulation = Literal["per_microbatch"] | None
 NO_TASK = -1  # what autograd reports outside any backward
@@ -48,6 +53,10 @@ class StepTracker:
         """Backwards seen beginning at the model's outputs."""
         self.interrupted: list[str] | None = None
         """Names the interrupted backward had updated, once an interruption was detected."""
+        self.left_out: dict[str, tuple[str, int]] = {}
+        """Expert tensor name -> the backward of this step that did not want its in-graph update."""
+        self.create_graph = False
+        """The open backward, seen beginning, builds a graph of its gradients (`create_graph=True`)."""
         self._warned_accumulation = False
 
     def backward_began(self) -> None:
@@ -61,10 +70,40 @@ class StepTracker:
             # The last backward finished and updated experts; refused here, before this one's graph runs:
             # a compiled backward would otherwise first meet weights the last one updated in place and
             # stop with torch's "modified by an inplace operation".
-            first, more = next(iter(self.updated)), len(self.updated) - 1
-            self._accumulating(f"a second backward began (this step already updated {first} and {more} more)")
+            self._accumulating(self._earlier_backward())
         self.open_task, self.rooted = torch._C._current_graph_task_id(), True
+        # Autograd runs a backward's nodes and hooks in grad mode exactly when it creates a graph.
+        self.create_graph = torch.is_grad_enabled()
         self.backwards += 1
+
+    def _earlier_backward(self) -> str:
+        first, more = next(iter(self.updated)), len(self.updated) - 1
+        what = f"a second backward began (this step already updated {first} and {more} more in-backward"
+        side = self._side_left_out()
+        if not side:
+            return what + ")"
+        return (
+            f"{what}, in a side backward that left {len(side)} expert tensor(s) out, e.g. {side[0]}: "
+            "backward(inputs=...) with expert tensors among its inputs)"
+        )
+
+    def _side_left_out(self) -> list[str]:
+        """Experts left out by a backward of this step that updated others: a `backward(inputs=...)`."""
+        updating = set(self.updated.values())
+        return sorted(name for name, key in self.left_out.items() if key in updating)
+
+    def not_accumulated(self, name: str, fate: GradientFate) -> None:
+        """The running backward adds nothing to `name`'s `.grad` (`sonar_fx.runtime.engine`): a left-out
+        update is recorded; a gradient `torch.autograd.grad` asked for is refused."""
+        if fate == "requested":
+            raise SonarUsageError(
+                f"torch.autograd.grad(...) asked for the gradient of the expert tensor {name}, which the "
+                "compiled backward consumes in-graph for its update (the default in_backward schedule): "
+                "it cannot be returned. This call moved no weight. Leave expert tensors out of "
+                "torch.autograd.grad's inputs, or train with compiler='eager', whose hooks leave "
+                "torch.autograd.grad alone."
+            )
+        self.left_out[name] = self._backward_key(torch._C._current_graph_task_id())
 
     def before_update(self, name: str) -> bool:
         """Raise if updating `name` now would train differently from what was asked; True when this is
@@ -80,6 +119,14 @@ class StepTracker:
             self.interrupted = list(self.updated)
         if self.interrupted is not None:
             raise self.interrupted_error("a new backward")
+        if self.rooted and self.create_graph:
+            raise SonarUsageError(
+                f"backward(create_graph=True) reached the expert tensor {name}: it asks for expert "
+                "gradients that carry a graph (for a second backward through them), but Sonar updates each "
+                "expert in this backward and keeps no .grad. Refused before the update. Leave the experts "
+                "out of it (backward(inputs=dense_params, create_graph=True), or torch.autograd.grad of "
+                "the tensors you differentiate), or use a plain optimizer for that model."
+            )
         previous = self.updated.get(name)
         if previous is not None:
             if previous == self._backward_key(task) and task != NO_TASK:
@@ -99,7 +146,7 @@ class StepTracker:
         self.updated[name] = self._backward_key(torch._C._current_graph_task_id())
 
     def backward_finished(self) -> None:
-        self.open_task, self.rooted = None, False
+        self.open_task, self.rooted, self.create_graph = None, False, False
 
     def _backward_key(self, task: int) -> tuple[str, int]:
         """Which backward an update belongs to: the one seen beginning, or else its graph task."""
@@ -115,6 +162,7 @@ class StepTracker:
     def reset(self) -> None:
         """Forget the step in progress (after `step()` or `abandon_step()`)."""
         self.updated, self.open_task, self.interrupted, self.rooted = {}, None, None, False
+        self.left_out, self.create_graph = {}, False
 
     def interrupted_error(self, at: str) -> InterruptedStepError:
         names = self.interrupted or []
@@ -130,11 +178,17 @@ class StepTracker:
 
     def _accumulating(self, what: str) -> None:
         if self.accumulation is None:
+            cause = (
+                "a side backward that reached the experts"
+                if self._side_left_out()
+                else "this looks like gradient accumulation (or a second backward through a retained graph)"
+            )
             raise SonarUsageError(
-                f"{what} before optimizer.step(): this looks like gradient accumulation (or a second "
-                "backward through a retained graph). Sonar updates experts inside each backward, so "
-                "accumulating would apply one update per micro-batch, a different optimizer. Call step() "
-                "after every backward, or opt in with sonar_fx.compile(..., accumulation='per_microbatch')."
+                f"{what} before optimizer.step(): {cause}. Sonar updates experts inside each backward that "
+                "adds to their .grad, so a second one would apply a second update, a different optimizer. "
+                "Call step() after every backward; keep side backwards off the experts "
+                "(torch.autograd.grad, or backward(inputs=...) without expert tensors: they move nothing); "
+                "or opt in with sonar_fx.compile(..., accumulation='per_microbatch')."
             )
         if not self._warned_accumulation:
             self._warned_accumulation = True

@@ -1,7 +1,8 @@
 """The runtime layer: what runs while backward runs, found from the tensors it is handed.
 
 `registry` binds each expert parameter to the optimizer that owns it (weakly, both ways);
-`update_op` is the in-graph op `torch.ops.sonar_fx.expert_update_` that the graph pass inserts;
+`update_op` is the in-graph op `torch.ops.sonar_fx.expert_update_` that the graph pass inserts, and
+`engine` asks autograd's engine, as it runs, whether the backward in progress wants that update;
 `defer_op` is `torch.ops.sonar_fx.expert_defer_`, the deferred schedule's hand-over of a gradient's
 operands; `hooks` are the post-accumulate-grad hooks of the eager path. Nothing here is decided at compile
 time: a compiled graph that dynamo reuses for another module (another block, model or copy) updates

@@ -14,6 +14,7 @@ from typing import Protocol
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from sonar_fx.runtime.engine import GradientFate
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 
@@ -26,6 +27,10 @@ class ExpertOwner(Protocol):
     def update_expert_(self, param: Tensor, grad: Tensor, *, path: str, reduced: str = "") -> None: ...
 
     def defer_expert_(self, param: Tensor, recipe: str, operands: list[Tensor]) -> None: ...
+
+    def not_accumulated(self, param: Tensor, fate: GradientFate) -> None:
+        """The running backward does not add to `param`'s `.grad` (`engine.GradientFate`): record that
+        its update was left out, or refuse the backward."""
 
 
 class UnboundExpertError(RuntimeError):

@@ -5,7 +5,9 @@ inductor orders it after every earlier reader of the tensors it names as mutated
 aliases in the backward graph (the saved weight and its saved views). WHICH parameter, its owner,
 state and hyper-parameters are all found when the op runs, from the aliases the graph hands it: a
 graph dynamo reuses for another module updates that module's tensor, and an LR change never
-recompiles.
+recompiles. WHETHER to update is asked of autograd's engine when the op runs (`engine`): the graph
+runs whole for every backward that reaches it, but only a backward that would add to the expert's
+`.grad` may move it (not `torch.autograd.grad`, nor `backward(inputs=...)` leaving it out).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.registry import resolve
 
 
@@ -29,6 +32,10 @@ def expert_update_(grad: Tensor, param_aliases: list[Tensor], reduced: str = "")
     if not param_aliases:
         raise RuntimeError("sonar_fx::expert_update_ needs at least one alias of the expert parameter.")
     param, owner = resolve(param_aliases[0])
+    fate = gradient_fate(param)
+    if fate != "accumulate":
+        owner.not_accumulated(param, fate)  # the gradient is dropped, as torch computes none for .grad
+        return
     meter = owner.meter
     meter.appeared(param, grad.nbytes)
     try:
