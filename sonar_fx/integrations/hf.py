@@ -32,17 +32,18 @@ out of the optimizer.
 from __future__ import annotations
 
 import json
-import warnings
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from sonar_fx.api import compile as sonar_compile
 from sonar_fx.api import sonar_of
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import AdamWConfig, WeightDecayGroup
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim.norms import total_norm
 from sonar_fx.optim.optimizer import Schedule, SonarOptimizer
 
 try:
@@ -69,8 +70,8 @@ __all__ = [
     "trainer_schedule",
 ]
 
-SONAR_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-"""`TrainingArguments.optim` values Sonar computes (fused AdamW arithmetic)."""
+SONAR_OPTIMS = ("adamw_torch_fused",)
+"""`TrainingArguments.optim` values Sonar computes: torch's fused AdamW (the Trainer's default)."""
 
 
 def _trainer_clips(args: TrainingArguments) -> bool:
@@ -85,40 +86,73 @@ def trainer_schedule(args: TrainingArguments) -> Schedule:
     return "deferred" if end_of_step else "in_backward"
 
 
-def sonar_config(args: TrainingArguments, schedule: Schedule = "in_backward") -> AdamWConfig:
-    """The `AdamWConfig` for `sonar_fx.compile(..., schedule=schedule)` from the Trainer's own arguments.
-    "deferred": Sonar clips, with the Trainer's `max_grad_norm`, one norm over every parameter (the
-    Trainer's clip is then switched off). "in_backward": Sonar's clip off; the Trainer clips, once, and
-    that clip sees only dense gradients."""
+def sonar_config(
+    args: TrainingArguments,
+    schedule: Schedule = "in_backward",
+    *,
+    model: nn.Module | None = None,
+    decay_names: Collection[str] | None = None,
+) -> AdamWConfig:
+    """The `AdamWConfig` for `sonar_fx.compile(model, ..., schedule=schedule)` from the Trainer's own
+    arguments. "deferred": Sonar clips, with the Trainer's `max_grad_norm`, one norm over every parameter
+    (the Trainer's clip is then switched off). "in_backward": Sonar's clip off; the Trainer clips, once,
+    and that clip sees only dense gradients.
+    With `weight_decay > 0` pass `model`: the Trainer exempts biases and norm weights from decay (its
+    `get_decay_parameter_names`, or `decay_names` when a Trainer subclass decides otherwise), and the
+    config puts those trainable tensors, dense or expert, in a group with weight_decay 0.0."""
     clip = args.max_grad_norm if schedule == "deferred" and _trainer_clips(args) else None
+    groups: tuple[WeightDecayGroup, ...] = ()
+    if args.weight_decay > 0 and model is not None:
+        exempt = no_decay_names(model, trainer_decay_names(model) if decay_names is None else decay_names)
+        groups = (WeightDecayGroup(params=exempt, weight_decay=0.0),) if exempt else ()
     return AdamWConfig(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
+        weight_decay_groups=groups,
         max_grad_norm=clip,
         expert_clip="global" if clip is not None else None,
     )
 
 
-def prepare_for_trainer(model: nn.Module, args: TrainingArguments, *, compiler: str = "eager") -> nn.Module:
+def trainer_decay_names(model: nn.Module) -> list[str]:
+    """The names the plain Trainer's AdamW decays (`Trainer.get_decay_parameter_names`, which reads only
+    the model): everything but biases and norm weights."""
+    return Trainer.get_decay_parameter_names(cast(Any, None), model)
+
+
+def no_decay_names(model: nn.Module, decay_names: Collection[str]) -> tuple[str, ...]:
+    """The trainable parameters the Trainer's AdamW leaves undecayed (its second param group)."""
+    decay = set(decay_names)
+    return tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
+
+
+def prepare_for_trainer(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    compiler: str = "eager",
+    decay_names: Collection[str] | None = None,
+) -> nn.Module:
     """`sonar_fx.compile` `model` so that it trains as the Trainer would with `args` (the schedule of
     `trainer_schedule`, the config of `sonar_config`). `compiler="eager"`: hooks, no torch.compile, as
     the Trainer runs a model by default; "aot_eager" or "inductor": the graph pass."""
     schedule = trainer_schedule(args)
-    return sonar_compile(model, sonar_config(args, schedule), compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
+    cfg = sonar_config(args, schedule, model=model, decay_names=decay_names)
+    return sonar_compile(model, cfg, compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 
-def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer) -> None:
+def check_trainer_setup(
+    args: TrainingArguments,
+    model: nn.Module,
+    optimizer: SonarOptimizer,
+    decay_names: Collection[str] | None = None,
+) -> None:
     """Refuse, naming the fix, every Trainer setting under which Sonar would train differently from what
-    the arguments say (the mixin runs this when the Trainer is built and when it creates the optimizer)."""
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in SONAR_OPTIMS or args.optim_args:
-        raise SonarUsageError(
-            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar trains with fused "
-            f"AdamW ({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
-            "element-wise optimizer. Leave optim at its default."
-        )
+    the arguments say (the mixin runs this when the Trainer is built and when it creates the optimizer).
+    `decay_names`: what the Trainer decays (default: `trainer_decay_names(model)`)."""
+    refuse_other_optim(args)
     refuse_torch_compile(args)
     if optimizer.schedule == "deferred":
         _check_deferred_clip(args, optimizer)
@@ -126,6 +160,28 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: So
         _check_in_backward(args, optimizer)
     _check_hyperparameters(args, optimizer)
     _check_trainable(model, optimizer)
+    _check_weight_decay(
+        args, model, optimizer, trainer_decay_names(model) if decay_names is None else decay_names
+    )
+
+
+def refuse_other_optim(args: TrainingArguments) -> None:
+    """Sonar computes torch's fused AdamW: every other `optim` would train with other arithmetic."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim == "adamw_torch" and not args.optim_args:
+        raise SonarUsageError(
+            "TrainingArguments(optim='adamw_torch') runs torch's AdamW without fused=True (foreach "
+            "kernels on a GPU, one tensor at a time on CPU), which rounds otherwise than the fused kernel "
+            "Sonar computes (every expert update is one fused call). Set optim='adamw_torch_fused', the "
+            "Trainer's default: the same AdamW, in torch's fused kernel."
+        )
+    if optim not in SONAR_OPTIMS or args.optim_args:
+        raise SonarUsageError(
+            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar computes torch's "
+            "fused AdamW only (its expert update is one element-wise fused call per tensor, inside backward "
+            "or at the step). Set optim='adamw_torch_fused' (the Trainer's default) without optim_args, or "
+            "train with the plain Trainer."
+        )
 
 
 def _check_in_backward(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
@@ -210,6 +266,29 @@ def _check_hyperparameters(args: TrainingArguments, optimizer: SonarOptimizer) -
         )
 
 
+def _check_weight_decay(
+    args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer, decay_names: Collection[str]
+) -> None:
+    """Each tensor's weight decay in model.sonar must be the one the Trainer's AdamW gives it: `weight_decay`
+    for the names the Trainer decays, 0.0 for the rest (biases, norm weights)."""
+    decay = set(decay_names)
+    label = {id(p): n for n, p in model.named_parameters()}
+    differ = [
+        f"{label[id(p)]} ({group['weight_decay']} where the Trainer uses {wanted})"
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) in label
+        and group["weight_decay"] != (wanted := args.weight_decay if label[id(p)] in decay else 0.0)
+    ]
+    if differ:
+        raise SonarUsageError(
+            f"model.sonar decays {len(differ)} tensor(s) otherwise than the Trainer's AdamW, which exempts "
+            f"biases and norm weights (e.g. {'; '.join(differ[:3])}). Compile with "
+            "sonar_fx.integrations.hf.sonar_config(args, model=model), which groups them as the Trainer "
+            "does, or pass the model unprepared."
+        )
+
+
 def _check_trainable(model: nn.Module, optimizer: SonarOptimizer) -> None:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
@@ -230,9 +309,11 @@ class SonarTrainerMixin:
     sonar: SonarOptimizer
 
     def __init__(self, *args: Any, sonar_compiler: str = "eager", **kwargs: Any) -> None:
+        self._sonar_compiler = sonar_compiler
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
-            refuse_torch_compile(training_args)  # before the Trainer hands it to accelerate, which fails
+        if training_args is not None:  # before anything is prepared or handed to accelerate
+            refuse_other_optim(training_args)
+            refuse_torch_compile(training_args)  # accelerate would fail on it
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and not isinstance(getattr(model, "sonar", None), SonarOptimizer):
             if training_args is None:
@@ -240,12 +321,12 @@ class SonarTrainerMixin:
                     f"{type(self).__name__}(model=<unprepared model>) without args: the TrainingArguments "
                     "decide how Sonar prepares the model (clip, accumulation); pass args=."
                 )
-            model = prepare_for_trainer(model, training_args, compiler=sonar_compiler)
+            model = self._prepared(model, training_args)
             if "model" in kwargs:
                 kwargs["model"] = model
             else:
                 args = (model, *args[1:])
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # with model_init=, calls `call_model_init` (below)
         trainer: Any = self
         self.sonar = sonar_of(trainer.model)
         if trainer.optimizer is not None and trainer.optimizer is not self.sonar:
@@ -259,33 +340,51 @@ class SonarTrainerMixin:
                 "optimizer_cls_and_kwargs cannot choose the optimizer of a Sonar model (it is model.sonar); "
                 "leave it out."
             )
-        check_trainer_setup(trainer.args, trainer.model, self.sonar)
-        if trainer.args.weight_decay > 0:
-            warnings.warn(
-                f"SonarTrainer: weight_decay={trainer.args.weight_decay} applies to every tensor, norm "
-                "weights and biases included (the Trainer's own AdamW exempts those).",
-                stacklevel=2,
-            )
+        self._check_setup()
         self._sonar_norm: Tensor | None = None
-        if self.sonar.schedule == "deferred":
-            trainer.add_callback(_DeferredStep(self))
+        trainer.add_callback(_DeferredStep(self))  # idle under the in-backward schedule
+
+    def _prepared(self, model: nn.Module, args: TrainingArguments) -> nn.Module:
+        """`model` as `prepare_for_trainer` prepares it for `args`, unless it is prepared already."""
+        if isinstance(getattr(model, "sonar", None), SonarOptimizer):
+            return model
+        decay_names = self.get_decay_parameter_names(model)  # type: ignore[attr-defined]
+        return prepare_for_trainer(model, args, compiler=self._sonar_compiler, decay_names=decay_names)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """`model_init=`: each model it builds (one per `train()`, per hyper-parameter trial) is prepared
+        as `model=` is, with the arguments of that trial; its `model.sonar` becomes the optimizer."""
+        trainer: Any = self
+        return self._prepared(super().call_model_init(trial), trainer.args)  # type: ignore[misc]
+
+    def _check_setup(self) -> None:
+        trainer: Any = self
+        decay_names = trainer.get_decay_parameter_names(trainer.model)
+        check_trainer_setup(trainer.args, trainer.model, self.sonar, decay_names)
 
     def create_optimizer(self, model: nn.Module | None = None) -> SonarOptimizer:
         trainer: Any = self
-        check_trainer_setup(trainer.args, trainer.model, self.sonar)
+        self.sonar = sonar_of(trainer.model)  # model_init= may have built a new model since __init__
+        self._check_setup()
         trainer.optimizer = self.sonar
         return self.sonar
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor | None:
         if self.sonar.schedule == "deferred":
             return None  # Sonar's step() clips, once, with the norm of every gradient
-        return super()._clip_grad_norm(model)  # type: ignore[misc]
+        # In-backward: the Trainer's clip sees the dense gradients alone (the expert ones were applied
+        # and freed in backward) and clips by their norm; the norm it logs is still over every one.
+        logged = norm_over_every_parameter(self.sonar, self.sonar.clipper.current.experts)
+        super()._clip_grad_norm(model)  # type: ignore[misc]
+        return logged
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if self.sonar.schedule == "deferred":
             # The norm exists only inside step(): `_DeferredStep` fills this before the Trainer logs it.
             self._sonar_norm = torch.full((), float("nan"))
             return self._sonar_norm
+        if grad_norm is None:  # no clip: the norm the plain Trainer takes with max_norm=inf
+            grad_norm = norm_over_every_parameter(self.sonar, self.sonar.clipper.current.experts)
         return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
@@ -301,13 +400,12 @@ class SonarTrainerMixin:
 
 class _DeferredStep(TrainerCallback):
     """The Trainer's end of a deferred step, where its loop assumes the gradients were all in `.grad`:
-    - the norm it logs is the one Sonar's step() clipped by (the Trainer's clip is off);
+    - the norm it logs is the one Sonar's step() clipped by (the Trainer's clip is off), or without a
+      clip the norm over every parameter that the Trainer takes (`norm_over_every_parameter`);
     - accelerate reports a step skipped (and the Trainer then holds the LR scheduler) when the scaler
-      did not call `step()`. The plain Trainer's AdamW decides that call: the fused one
-      (`_step_supports_amp_scaling`) is always called and skips inside, so its LR schedule advances
-      on every step; the foreach one is not called on an overflow. Sonar's step is called unless the
-      DENSE gradients overflowed; so the flag is set as the Trainer's AdamW would have it (overflow:
-      the scale backed off in `update()`);
+      did not call `step()`. The plain Trainer's fused AdamW (`_step_supports_amp_scaling`) is always
+      called and skips inside, so its LR schedule advances on every step; Sonar's step is not called
+      when the DENSE gradients overflowed, so the flag is cleared, as the fused AdamW leaves it;
     - the kept operands of a skipped step are dropped with the gradients: the Trainer zeroes the
       model's gradients, not the optimizer's, and kept operands are the optimizer's."""
 
@@ -319,22 +417,40 @@ class _DeferredStep(TrainerCallback):
         return getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.sonar.schedule != "deferred":
+            return
         scaler = self._scaler()
         self.scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.sonar.schedule != "deferred":
+            return
         scaler, optimizer = self._scaler(), kwargs["optimizer"]
         backed_off = self.scale is not None and scaler.get_scale() < self.scale
         if self.scale is not None and hasattr(optimizer, "_is_overflow"):
-            fused = str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
-            optimizer._is_overflow = backed_off and not fused  # behind `optimizer_step_was_skipped`
-        norms = self.trainer.sonar.grad_norms()
-        norm = norms["total"] if norms["total"] is not None else norms["dense"]
+            optimizer._is_overflow = False  # behind `optimizer_step_was_skipped`
+        sonar = self.trainer.sonar
+        norms = sonar.clipper.last  # the step's; its dense gradients are in `.grad` until zero_grad
+        norm = norms.total if norms.total is not None else norm_over_every_parameter(sonar, norms.experts)
         if self.trainer._sonar_norm is not None and norm is not None and not backed_off:
-            self.trainer._sonar_norm.fill_(norm)
+            self.trainer._sonar_norm.copy_(norm)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.sonar.zero_grad()
+        if self.trainer.sonar.schedule == "deferred":
+            self.trainer.sonar.zero_grad()
+
+
+def norm_over_every_parameter(opt: SonarOptimizer, expert_norms: Mapping[str, Tensor]) -> Tensor | None:
+    """The norm `clip_grad_norm_(model.parameters(), ...)` returns over every gradient, from what Sonar
+    holds: each dense `.grad`'s norm and `expert_norms` (name -> the norm of that expert gradient, taken
+    in its update before it was freed), combined in the model's order as `get_total_norm` combines them.
+    None when no gradient exists."""
+    order, ids = opt.model_order(), {name: pid for pid, name in opt.experts.names_by_id().items()}
+    dense = [p for p in opt.dense_params() if p.grad is not None]
+    norms = torch._foreach_norm([p.grad for p in dense if p.grad is not None], 2.0) if dense else []
+    by_rank = {order[id(p)]: n for p, n in zip(dense, norms, strict=True)}
+    by_rank.update({order[ids[name]]: n for name, n in expert_norms.items()})
+    return total_norm([by_rank[r] for r in sorted(by_rank)]) if by_rank else None
 
 
 def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
