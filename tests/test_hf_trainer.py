@@ -286,8 +286,9 @@ def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler):
-    """Three models in one process share one compiled graph (bound at run time to each model)."""
+def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler, monkeypatch):
+    """Three models in one process share one compiled graph (bound at run time to each model). The
+    checkpoint is in the plain Trainer's layout; one in Sonar's own (as written before) resumes too."""
     torch._dynamo.reset()
 
     def trainer(out, max_steps):
@@ -300,7 +301,8 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     t.train()
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert [g["name"] for g in state["param_groups"]] == ["dense", "experts", "dense/weight_decay=0.0"]
+    assert [len(g["params"]) for g in state["param_groups"]] == [16, 9]  # the Trainer's decay, no decay
+    assert all("name" not in g for g in state["param_groups"])
     assert len(state["state"]) == sum(1 for _ in whole.parameters())  # expert moments included
 
     resumed, t = trainer(tmp_path / "resumed", 4)
@@ -313,6 +315,15 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
 
     if compiler != "eager":
         return
+    with monkeypatch.context() as patched:  # a checkpoint in Sonar's own layout: loaded as it is
+        patched.setattr("sonar_fx.integrations.hf.has_trainer_layout", lambda opt: False)
+        _, t = trainer(tmp_path / "sonar_layout", 4)
+        t.train()
+    sonar_layout = tmp_path / "sonar_layout" / "checkpoint-2"
+    assert "name" in torch.load(sonar_layout / "optimizer.pt", weights_only=True)["param_groups"][0]
+    again, t = trainer(tmp_path / "again", 4)
+    t.train(resume_from_checkpoint=str(sonar_layout))
+    assert_same_weights(again, whole)
     # Teeth: the same resume without the optimizer state file must not match.
     (checkpoint / "optimizer.pt").unlink()
     fresh, t = trainer(tmp_path / "fresh", 4)

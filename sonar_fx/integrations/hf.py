@@ -20,9 +20,10 @@ model with the graph pass; default "eager", as the Trainer runs it).
 - Clipping, exactly once: deferred, by Sonar's `step()` (one global norm over every parameter with the
   Trainer's `max_grad_norm`; the Trainer's own clip is switched off, and the norm it logs is Sonar's);
   in-backward, by the Trainer (Sonar's clip off: a second clip is not a no-op).
-- Checkpoints: the Trainer's own. Its `optimizer.pt` holds `model.sonar.state_dict()` (dense and expert
-  moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise; expert weights
-  that `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
+- Checkpoints: the Trainer's own, with `optimizer.pt` and `scheduler.pt` in the plain Trainer's layout
+  (dense and expert moments and steps in its decay / no-decay groups), so either Trainer resumes the
+  other's checkpoint bitwise (`sonar_fx.integrations.hf_checkpoint`); expert weights that
+  `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
 
 Never: clip twice, accumulate gradients silently (in-backward experts are updated inside every
 backward), ignore a Trainer argument that would change the optimizer, or leave a trainable parameter
@@ -31,8 +32,7 @@ out of the optimizer.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, cast
 
@@ -43,15 +43,22 @@ from sonar_fx.api import compile as sonar_compile
 from sonar_fx.api import sonar_of
 from sonar_fx.config import AdamWConfig, WeightDecayGroup
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.optim.norms import total_norm
+from sonar_fx.integrations.hf_checkpoint import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    has_trainer_layout,
+    load_converted_weights_,
+    load_either_layout,
+    save_in_trainer_layout,
+    trainer_groups,
+)
+from sonar_fx.integrations.hf_deferred import DeferredStep, norm_over_every_parameter
 from sonar_fx.optim.optimizer import Schedule, SonarOptimizer
 
 try:
     from transformers import (
-        PreTrainedModel,
         PreTrainedTokenizerFast,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
     )
 except ImportError as err:  # Trainer needs accelerate, which only the extra brings
@@ -342,7 +349,7 @@ class SonarTrainerMixin:
             )
         self._check_setup()
         self._sonar_norm: Tensor | None = None
-        trainer.add_callback(_DeferredStep(self))  # idle under the in-backward schedule
+        trainer.add_callback(DeferredStep(self))  # idle under the in-backward schedule
 
     def _prepared(self, model: nn.Module, args: TrainingArguments) -> nn.Module:
         """`model` as `prepare_for_trainer` prepares it for `args`, unless it is prepared already."""
@@ -380,12 +387,45 @@ class SonarTrainerMixin:
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if self.sonar.schedule == "deferred":
-            # The norm exists only inside step(): `_DeferredStep` fills this before the Trainer logs it.
+            # The norm exists only inside step(): `DeferredStep` fills this before the Trainer logs it.
             self._sonar_norm = torch.full((), float("nan"))
             return self._sonar_norm
         if grad_norm is None:  # no clip: the norm the plain Trainer takes with max_norm=inf
             grad_norm = norm_over_every_parameter(self.sonar, self.sonar.clipper.current.experts)
         return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+
+    def _trainer_groups(self) -> list[list[Tensor]]:
+        """The param groups the plain Trainer's AdamW would have over this model (decay, no decay)."""
+        trainer: Any = self
+        return trainer_groups(trainer.model, trainer.get_decay_parameter_names(trainer.model))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's save, then its two files rewritten in the plain Trainer's layout, so that either
+        Trainer resumes the checkpoint (`sonar_fx.integrations.hf_checkpoint`)."""
+        trainer: Any = self
+        super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        folder = Path(output_dir)
+        saved = trainer.args.should_save and (folder / OPTIMIZER_FILE).is_file()
+        if saved and has_trainer_layout(self.sonar):
+            save_in_trainer_layout(folder, self.sonar, self._trainer_groups(), trainer.args.weight_decay)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A checkpoint of either Trainer: the plain Trainer's state mapped tensor by tensor onto Sonar's
+        groups, Sonar's loaded as is (the engines' own loaders, DeepSpeed's and FSDP's, are the Trainer's)."""
+        trainer: Any = self
+        folder = Path(checkpoint) if checkpoint is not None else None
+        if (
+            folder is None
+            or not (folder / OPTIMIZER_FILE).is_file()
+            or not (folder / SCHEDULER_FILE).is_file()
+            or trainer.is_deepspeed_enabled
+            or trainer.is_fsdp_enabled
+        ):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        args = trainer.args
+        where = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"  # as the Trainer
+        load_either_layout(folder, self.sonar, trainer.lr_scheduler, self._trainer_groups(), where)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         trainer: Any = self
@@ -396,108 +436,6 @@ class SonarTrainerMixin:
         trainer: Any = self
         super()._load_best_model()  # type: ignore[misc]
         load_converted_weights_(trainer.model, Path(trainer.state.best_model_checkpoint))
-
-
-class _DeferredStep(TrainerCallback):
-    """The Trainer's end of a deferred step, where its loop assumes the gradients were all in `.grad`:
-    - the norm it logs is the one Sonar's step() clipped by (the Trainer's clip is off), or without a
-      clip the norm over every parameter that the Trainer takes (`norm_over_every_parameter`);
-    - accelerate reports a step skipped (and the Trainer then holds the LR scheduler) when the scaler
-      did not call `step()`. The plain Trainer's fused AdamW (`_step_supports_amp_scaling`) is always
-      called and skips inside, so its LR schedule advances on every step; Sonar's step is not called
-      when the DENSE gradients overflowed, so the flag is cleared, as the fused AdamW leaves it;
-    - the kept operands of a skipped step are dropped with the gradients: the Trainer zeroes the
-      model's gradients, not the optimizer's, and kept operands are the optimizer's."""
-
-    def __init__(self, trainer: SonarTrainerMixin) -> None:
-        self.trainer = trainer
-        self.scale: float | None = None
-
-    def _scaler(self) -> Any:
-        return getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.sonar.schedule != "deferred":
-            return
-        scaler = self._scaler()
-        self.scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.sonar.schedule != "deferred":
-            return
-        scaler, optimizer = self._scaler(), kwargs["optimizer"]
-        backed_off = self.scale is not None and scaler.get_scale() < self.scale
-        if self.scale is not None and hasattr(optimizer, "_is_overflow"):
-            optimizer._is_overflow = False  # behind `optimizer_step_was_skipped`
-        sonar = self.trainer.sonar
-        norms = sonar.clipper.last  # the step's; its dense gradients are in `.grad` until zero_grad
-        norm = norms.total if norms.total is not None else norm_over_every_parameter(sonar, norms.experts)
-        if self.trainer._sonar_norm is not None and norm is not None and not backed_off:
-            self.trainer._sonar_norm.copy_(norm)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer.sonar.schedule == "deferred":
-            self.trainer.sonar.zero_grad()
-
-
-def norm_over_every_parameter(opt: SonarOptimizer, expert_norms: Mapping[str, Tensor]) -> Tensor | None:
-    """The norm `clip_grad_norm_(model.parameters(), ...)` returns over every gradient, from what Sonar
-    holds: each dense `.grad`'s norm and `expert_norms` (name -> the norm of that expert gradient, taken
-    in its update before it was freed), combined in the model's order as `get_total_norm` combines them.
-    None when no gradient exists."""
-    order, ids = opt.model_order(), {name: pid for pid, name in opt.experts.names_by_id().items()}
-    dense = [p for p in opt.dense_params() if p.grad is not None]
-    norms = torch._foreach_norm([p.grad for p in dense if p.grad is not None], 2.0) if dense else []
-    by_rank = {order[id(p)]: n for p, n in zip(dense, norms, strict=True)}
-    by_rank.update({order[ids[name]]: n for name, n in expert_norms.items()})
-    return total_norm([by_rank[r] for r in sorted(by_rank)]) if by_rank else None
-
-
-def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
-    """Load, in place, the weights the Trainer's resume could not: those `save_pretrained` wrote in the
-    checkpoint's original layout (transformers 5 saves batched MoE experts back as one tensor per
-    expert, and the Trainer's resume loads keys as they are, so every expert tensor would silently keep
-    its fresh value; `load_best_model_at_end` likewise). `from_pretrained` converts the layout, holding
-    one more copy of the model in CPU memory meanwhile; the tensors are then copied into the model's own
-    parameters, so Sonar's bindings and compiled graphs stay valid. Returns the names."""
-    saved = _checkpoint_keys(checkpoint)
-    if saved is None:
-        return []  # not a safetensors checkpoint: the Trainer's own load reported what it found
-    state = model.state_dict()
-    missing = [k for k in state if k not in saved]
-    if not missing:
-        return []
-    if not isinstance(model, PreTrainedModel):
-        raise RuntimeError(
-            f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. "
-            f"{missing[:3]}) and {type(model).__name__} is not a PreTrainedModel, whose from_pretrained "
-            "could convert them."
-        )
-    dtype = next(iter(state.values())).dtype
-    converted = type(model).from_pretrained(
-        checkpoint, config=model.config, dtype=dtype, local_files_only=True
-    )
-    source = converted.state_dict()
-    absent = [k for k in missing if k not in source]
-    if absent:
-        raise RuntimeError(f"{checkpoint}: the checkpoint holds no value for {absent[:3]}; cannot resume.")
-    with torch.no_grad():
-        for key in missing:
-            state[key].copy_(source[key])
-    return missing
-
-
-def _checkpoint_keys(checkpoint: Path) -> set[str] | None:
-    index = checkpoint / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    single = checkpoint / "model.safetensors"
-    if not single.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return set(f.keys())
 
 
 class SonarTrainer(SonarTrainerMixin, Trainer):
