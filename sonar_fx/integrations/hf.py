@@ -15,8 +15,13 @@ model with the graph pass; default "eager", as the Trainer runs it).
   at `step()` from operands kept in backward) and with the in-backward schedule otherwise (the same
   arithmetic, fastest). A model the user prepared keeps its schedule; an in-backward one clips only
   the dense gradients (the Trainer's clip sees no expert `.grad`) and refuses accumulation and fp16.
-- Optimizer: `model.sonar`, whose AdamW hyper-parameters come from the Trainer's own arguments
-  (`sonar_config`); scheduler: the Trainer's own, which drives the dense and the expert LR alike.
+- Optimizer: `model.sonar`, torch's fused AdamW (`optim="adamw_torch_fused"`, the Trainer's default;
+  every other `optim` is refused), whose hyper-parameters come from the Trainer's own arguments
+  (`sonar_config`), with biases and norm weights, dense or expert, in a no-decay group by the Trainer's
+  own rule; scheduler: the Trainer's own, which drives every group alike. `model_init=` models are
+  prepared as `model=` is.
+- The logged `grad_norm`: the norm over every gradient before clipping, as the plain Trainer logs it
+  (`hf_deferred.norm_over_every_parameter` where Sonar does not clip).
 - Clipping, exactly once: deferred, by Sonar's `step()` (one global norm over every parameter with the
   Trainer's `max_grad_norm`; the Trainer's own clip is switched off, and the norm it logs is Sonar's);
   in-backward, by the Trainer (Sonar's clip off: a second clip is not a no-op).
