@@ -46,25 +46,24 @@ def torch_twin(model: torch.nn.Module, names: tuple[str, ...]) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])  # 22 s
-def test_weight_decay_groups_equal_torch_adamw_param_groups(compiler):
+def test_weight_decay_groups_equal_torch_adamw_param_groups():
     """Deferred schedule (one clip over every parameter, 2 micro-batches per step): Sonar with three
     weight decays (0.1 default, 0.0 for norms and an expert tensor, 0.5 for the head) is torch's AdamW
-    over the same three param groups."""
+    over the same three param groups. Eager: an update reads its group in Python when it runs, whoever
+    calls it (hook, graph op, step); the Trainer tests cover the groups compiled with aot_eager."""
     torch._dynamo.reset()
     model = build_model("tiny-olmoe", seed=0)
     twin_model, fresh = copy.deepcopy(model), copy.deepcopy(model)
     names = no_decay_names(model)
     groups = (WeightDecayGroup(params=names, weight_decay=0.0),
               WeightDecayGroup(params=("lm_head.weight",), weight_decay=0.5))  # fmt: skip
-    sonar_fx.compile(model, cfg(groups), compiler=compiler, schedule="deferred")
+    sonar_fx.compile(model, cfg(groups), compiler="eager", schedule="deferred")
     twin = torch_twin(twin_model, names)
-    twin_run = twin_model if compiler == "eager" else torch.compile(twin_model, backend=compiler)
     data = batches(4)
     for step in range(2):
         for b in data[2 * step : 2 * step + 2]:
             model(**b).loss.backward()
-            twin_run(**b).loss.backward()
+            twin_model(**b).loss.backward()
         model.sonar.step()
         model.sonar.zero_grad()
         assert torch.nn.utils.clip_grad_norm_(twin_model.parameters(), MAX_NORM) > MAX_NORM
