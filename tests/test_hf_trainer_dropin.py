@@ -186,3 +186,15 @@ def test_a_checkpoint_of_other_trainable_tensors_is_refused_before_anything_load
     ):
         trainer.train(resume_from_checkpoint=str(Path(whole.args.output_dir) / "checkpoint-2"))
     assert not model.sonar.state
+
+
+def test_a_checkpoint_saved_with_another_weight_decay_is_refused(plain_whole, tmp_path):
+    """weight_decay=0.0 now, 0.01 in the checkpoint: Sonar holds decay and no-decay tensors in one group,
+    whose two source groups disagree on weight_decay: refused naming it."""
+    args = TrainingArguments(output_dir=str(tmp_path), **{**DEFAULTS, **RESUMED, "weight_decay": 0.0})
+    trainer = SonarTrainer(model=build_model("tiny-olmoe", seed=0), args=args, train_dataset=SHORT)
+    with pytest.raises(
+        SonarUsageError, match=r"\{'weight_decay': 0\.01\}, \{'weight_decay': 0\.0\}.*saved with"
+    ):
+        trainer.train(resume_from_checkpoint=str(Path(plain_whole.args.output_dir) / "checkpoint-2"))
+    assert not trainer.model.sonar.state

@@ -178,15 +178,20 @@ def _settings(
 
 
 def _agreed(values: Sequence[Any], sources: list[int], what: str) -> Any:
-    """The one value `values` hold at `sources`."""
+    """The one value `values` hold at `sources` (groups of one layout that become one group of the
+    other), or a SonarUsageError naming what differs."""
     picked = [values[i] for i in sources]
-    if any(v != picked[0] for v in picked[1:]):
-        raise SonarUsageError(
-            f"{what} settings differ between the groups that become one in the other layout ({picked}): "
-            "the Trainer's AdamW has one decay group and one no-decay group, so their tensors must share "
-            "their settings. Train with the TrainingArguments' own hyper-parameters."
-        )
-    return picked[0]
+    if all(v == picked[0] for v in picked[1:]):
+        return picked[0]
+    if all(isinstance(v, dict) for v in picked):
+        keys = sorted(k for k in picked[0] if any(v.get(k) != picked[0][k] for v in picked[1:]))
+        picked = [{k: v.get(k) for k in keys} for v in picked]
+    raise SonarUsageError(
+        f"{what} settings differ between groups whose tensors share one group in the other layout "
+        f"({picked}): the Trainer's AdamW holds its tensors in a decay and a no-decay group. A "
+        "checkpoint saved with another weight_decay than the TrainingArguments' now (or with groups "
+        "changed by hand) cannot be mapped: resume with the arguments it was saved with."
+    )
 
 
 def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
