@@ -31,6 +31,11 @@ class WeightDecayGroup:
     weight_decay: float
     """Their weight decay, >= 0."""
 
+    def __post_init__(self) -> None:
+        # One name or any iterable of names, kept as a tuple: the config stays hashable.
+        names = (self.params,) if isinstance(self.params, str) else tuple(self.params)
+        object.__setattr__(self, "params", names)
+
 
 class ConfigFieldError(ValueError):
     """A config value is invalid; `field` names it, so a caller can name its own flag for it."""
@@ -106,11 +111,9 @@ class _OptimizerConfig:
             where = f"weight_decay_groups[{i}]"
             self._check(isinstance(group, WeightDecayGroup), where, group, "a sonar_fx.WeightDecayGroup")
             self._check(group.weight_decay >= 0, f"{where}.weight_decay", group.weight_decay, "a number >= 0")
-            names = (group.params,) if isinstance(group.params, str) else tuple(group.params)
-            twice = sorted(seen.intersection(names))
+            twice = sorted(seen.intersection(group.params))
             self._check(not twice, f"{where}.params", twice, "names in no other group")
-            seen.update(names)
-            object.__setattr__(group, "params", names)
+            seen.update(group.params)
         object.__setattr__(self, "weight_decay_groups", groups)
 
     def _check_betas(self, betas: tuple[float, float]) -> None:

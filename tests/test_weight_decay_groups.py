@@ -113,5 +113,7 @@ def test_unknown_names_and_overlapping_groups_are_refused():
     twice = (first, WeightDecayGroup(params="b", weight_decay=1))
     with pytest.raises(ConfigFieldError, match=r"weight_decay_groups\[1\]\.params=\['b'\]"):
         cfg(twice)
+    listed = cfg((WeightDecayGroup(params=["a", "b"], weight_decay=0.0),))  # a list, kept as a tuple
+    assert listed.weight_decay_groups[0].params == ("a", "b") and hash(listed)
     with pytest.raises(ConfigFieldError, match=r"weight_decay_groups\[0\]\.weight_decay=-1"):
         cfg((WeightDecayGroup(params=("a",), weight_decay=-1),))

@@ -58,7 +58,7 @@ def split_by_weight_decay(
         moved: dict[float, list[Tensor]] = {}
         rest = []
         for p in group["params"]:
-            wd = decay_of.get(names[id(p)])
+            wd = decay_of.get(names.get(id(p), ""))
             if wd is None:
                 rest.append(p)
             else:
