@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         from transformers import TrainingArguments
 
         args = TrainingArguments(**fields)
-        model = sonar_fx.compile(build_model(opts.model), sonar_config(args), compiler=opts.compiler)
+        model = build_model(opts.model)
+        model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=opts.compiler)
         tokenizer = ByteTokenizer()
 
         def collate_batch(batch):
@@ -100,7 +101,8 @@ def _sft_trainer(opts, fields, train, held_out):
 
     # TRL turns bf16 autocast on by default; on CPU it is slow and buys nothing for a tiny model.
     args = SFTConfig(**fields, max_length=opts.max_len, bf16=False)
-    model = sonar_fx.compile(build_model(opts.model), sonar_config(args), compiler=opts.compiler)
+    model = build_model(opts.model)
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=opts.compiler)
     return SonarSFTTrainer(
         model=model,
         args=args,

@@ -3,7 +3,15 @@
 # Installs its log filters on import: before anything imports torchao (transformers does, building a model).
 from sonar_fx import log_filters  # noqa: F401
 from sonar_fx.api import compile, prepare
-from sonar_fx.config import AdamConfig, AdamWConfig, LionConfig, MuonConfig, OptimizerConfig, SGDConfig
+from sonar_fx.config import (
+    AdamConfig,
+    AdamWConfig,
+    LionConfig,
+    MuonConfig,
+    OptimizerConfig,
+    SGDConfig,
+    WeightDecayGroup,
+)
 from sonar_fx.errors import (
     InterruptedStepError,
     NonFiniteGradientError,
@@ -40,6 +48,7 @@ __all__ = [
     "SonarOptimizer",
     "SonarUsageError",
     "UnboundExpertError",
+    "WeightDecayGroup",
     "compile",
     "discover_experts",
     "load_torch_state_dict",

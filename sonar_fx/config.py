@@ -22,6 +22,23 @@ StateBits = Literal[32, 8, 4]
 STATE_BITS: tuple[int, ...] = (32, 8, 4)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WeightDecayGroup:
+    """Parameters, by the model's names (`model.named_parameters()`), that take their own weight decay
+    instead of the config's `weight_decay`: what a torch.optim param group with its own `weight_decay`
+    expresses (e.g. biases and norm weights at 0.0, as transformers' Trainer groups them)."""
+
+    params: tuple[str, ...]
+    """Names of trainable parameters, dense or expert; each in at most one group."""
+    weight_decay: float
+    """Their weight decay, >= 0."""
+
+    def __post_init__(self) -> None:
+        # One name or any iterable of names, kept as a tuple: the config stays hashable.
+        names = (self.params,) if isinstance(self.params, str) else tuple(self.params)
+        object.__setattr__(self, "params", names)
+
+
 class ConfigFieldError(ValueError):
     """A config value is invalid; `field` names it, so a caller can name its own flag for it."""
 
@@ -41,6 +58,9 @@ class _OptimizerConfig:
     max_grad_norm: float | None = 1.0
     """Global-norm clip of the DENSE gradients at `step()` (and the threshold of `expert_clip`); None or
     inf turns clipping off."""
+    weight_decay_groups: tuple[WeightDecayGroup, ...] = ()
+    """Parameters with a weight decay of their own (see `WeightDecayGroup`); each group becomes a param
+    group of `SonarOptimizer` beside the one it was split from, so a scheduler drives it too."""
     expert_clip: ExpertClip = None
     """How expert gradients are clipped to `max_grad_norm`: None (the paper: not at all; the dense
     clip covers dense gradients only), "per_tensor" (each batched expert gradient by its own norm,
@@ -57,6 +77,7 @@ class _OptimizerConfig:
     def __post_init__(self) -> None:
         self._check(self.lr >= 0 and math.isfinite(self.lr), "lr", self.lr, "a finite number >= 0")
         self._check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        self._check_weight_decay_groups()
         if self.max_grad_norm is not None:
             self._check(
                 self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "> 0, or None for no clip"
@@ -90,6 +111,18 @@ class _OptimizerConfig:
                 f"{type(self).__name__}.{field}={value!r} is invalid: expected {expected}.",
                 field=field.split("[")[0],
             )
+
+    def _check_weight_decay_groups(self) -> None:
+        groups = tuple(self.weight_decay_groups)
+        seen: set[str] = set()
+        for i, group in enumerate(groups):
+            where = f"weight_decay_groups[{i}]"
+            self._check(isinstance(group, WeightDecayGroup), where, group, "a sonar_fx.WeightDecayGroup")
+            self._check(group.weight_decay >= 0, f"{where}.weight_decay", group.weight_decay, "a number >= 0")
+            twice = sorted(seen.intersection(group.params))
+            self._check(not twice, f"{where}.params", twice, "names in no other group")
+            seen.update(group.params)
+        object.__setattr__(self, "weight_decay_groups", groups)
 
     def _check_betas(self, betas: tuple[float, float]) -> None:
         values = tuple(betas)

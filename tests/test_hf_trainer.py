@@ -32,18 +32,13 @@ from sonar_fx.integrations.hf import SonarTrainer, byte_tokenizer, sonar_config,
 from sonar_fx.integrations.sft import SonarSFTTrainer, prompt_completion
 from sonar_fx.models import build_model
 
-from helpers import assert_same_weights, known_library_failure, weights_differ
+from helpers import assert_same_weights, weights_differ
+from hf_cases import CLIPPED, COMPILERS_VS_EAGER, DEFAULTS, SHORT, drop_in_run
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:SonarTrainer. weight_decay"),
-    # transformers' own deprecation notices, raised from inside TRL's and PEFT's calls.
-    pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning"),
-]
+# transformers' own deprecation notices, raised from inside TRL's and PEFT's calls.
+pytestmark = pytest.mark.filterwarnings("ignore:`(is_)?gradient_checkpointing` is deprecated:FutureWarning")
 
 MODELS = ["tiny-qwen3moe", "tiny-olmoe"]
-# Sonar compiled (fp32 models) against the plain, eager Trainer.
-_VS_EAGER = known_library_failure(grouped_mm_compiled=torch.float32, compiled_vs_eager=True)
-COMPILERS_VS_EAGER = ["eager", pytest.param("aot_eager", marks=_VS_EAGER)]
 SEQ = 256
 TOKENIZER = ByteTokenizer()
 RECORDS = synthetic_records(12)
@@ -76,12 +71,8 @@ class DenseOnlyClip(TrainerCallback):
 
 
 def standard_trainer(model, args, trainer_cls=Trainer, *, dense_only_clip=True, **kwargs):
-    """The twin: fused AdamW over every parameter, clipping dense gradients only (or, as a negative
-    control, every gradient with the Trainer's own clip)."""
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=True,
-    )  # fmt: skip
+    """The twin: the Trainer's own fused AdamW (biases and norm weights in a no-decay group), clipping
+    dense gradients only (or, as a negative control, every gradient with the Trainer's own clip)."""
     callbacks = []
     if dense_only_clip:
         experts = {id(t.param) for layer in sonar_fx.discover_experts(model) for t in layer.tensors}
@@ -89,7 +80,7 @@ def standard_trainer(model, args, trainer_cls=Trainer, *, dense_only_clip=True, 
             DenseOnlyClip([p for p in model.parameters() if id(p) not in experts], args.max_grad_norm)
         ]
         args.max_grad_norm = 0.0
-    return trainer_cls(model=model, args=args, optimizers=(opt, None), callbacks=callbacks, **kwargs)
+    return trainer_cls(model=model, args=args, callbacks=callbacks, **kwargs)
 
 
 def trainer_data():
@@ -109,7 +100,7 @@ def standard_run(model_name: str, dense_only_clip: bool = True) -> nn.Module:
 def sonar_run(model: nn.Module, compiler: str, out="unused", **compile_kwargs):
     torch._dynamo.reset()
     args = training_args(out)
-    model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, **compile_kwargs)
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=compiler, **compile_kwargs)
     trainer = SonarTrainer(model=model, args=args, **trainer_data())
     trainer.train()
     return model, trainer
@@ -128,8 +119,10 @@ def test_trainer_equals_standard_fused_adamw_with_dense_only_clip(model_name, co
     report = model.sonar.report()
     path = "updates_in_graph" if compiler == "aot_eager" else "updates_by_hook"
     assert report[path] == 3 * 4 and report["fallbacks"] == []
-    # The Trainer's own linear schedule drove both groups: after 3 of 3 steps the LR is 0.
-    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+    # The Trainer's own linear schedule drove every group: after 3 of 3 steps the LR is 0. Norm weights
+    # are in a group of their own (weight_decay 0.0, as the Trainer's AdamW groups them).
+    groups = {g["name"]: (g["lr"], g["weight_decay"]) for g in model.sonar.param_groups}
+    assert groups == {"dense": (0.0, 0.01), "experts": (0.0, 0.01), "dense/weight_decay=0.0": (0.0, 0.0)}
 
 
 def test_the_trainers_clip_of_every_gradient_is_not_the_twin():
@@ -164,7 +157,7 @@ def sft_run(compiler: str | None) -> tuple[nn.Module, SFTTrainer]:
     if compiler is None:
         trainer = standard_trainer(model, args, SFTTrainer, train_dataset=data, processing_class=tokenizer)
     else:
-        model = sonar_fx.compile(model, sonar_config(args), compiler=compiler)
+        model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=compiler)
         trainer = SonarSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     return model, trainer
@@ -188,37 +181,20 @@ def test_sft_trainer_equals_standard_with_trls_defaults(compiler):
 
 # ------------------------------------------------------------------ the drop-in: the Trainer's defaults
 
-_IDS = torch.randint(0, 259, (48, 32), generator=torch.Generator().manual_seed(0)).tolist()
-SHORT = [
-    dict(input_ids=ids, labels=ids) for ids in _IDS
-]  # few tokens per step: operands stay below gradients
-# The Trainer's defaults (max_grad_norm=1.0 over every parameter, its fused AdamW, weight_decay 0, the
-# linear schedule), accumulating 4 micro-batches; only the LR is raised so that 3 steps move the weights.
-# The default clip (1.0) is active on some steps of this data; 0.5 (CLIPPED) on every one.
-CLIPPED = dict(max_grad_norm=0.5)
-DEFAULTS = dict(
-    learning_rate=1e-2, gradient_accumulation_steps=4, per_device_train_batch_size=2, max_steps=3, seed=0,
-    save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, use_cpu=True,
-)  # fmt: skip
-
-
-def drop_in_run(trainer_cls, out, model_name="tiny-olmoe", overrides=CLIPPED, **kwargs):
-    torch._dynamo.reset()
-    model = build_model(model_name, seed=0)
-    args = TrainingArguments(output_dir=str(out), **{**DEFAULTS, **overrides})
-    trainer = trainer_cls(model=model, args=args, train_dataset=SHORT, **kwargs)
-    trainer.train()
-    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    return trainer.model, trainer, norms
-
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, compiler):
     """Swapping the class is the whole migration: the plain Trainer's all-parameter clip, accumulation of
-    4 and scheduler, bitwise, with Sonar's memory (expert gradients from operands kept in backward)."""
-    plain, _, plain_norms = drop_in_run(Trainer, tmp_path / "plain")
-    model, _, norms = drop_in_run(SonarTrainer, tmp_path / "sonar", sonar_compiler=compiler)
+    4, weight decay (biases and norm weights exempt, by the Trainer's own rule) and scheduler, bitwise,
+    with Sonar's memory (expert gradients from operands kept in backward)."""
+    overrides = {**CLIPPED, "weight_decay": 0.01}
+    plain, _, plain_norms = drop_in_run(Trainer, tmp_path / "plain", overrides=overrides)
+    model, _, norms = drop_in_run(
+        SonarTrainer, tmp_path / "sonar", overrides=overrides, sonar_compiler=compiler
+    )
     assert model.sonar.schedule == "deferred" and model.sonar.cfg.expert_clip == "global"
+    (exempt,) = model.sonar.cfg.weight_decay_groups
+    assert exempt.weight_decay == 0.0 and exempt.params and all("norm" in n for n in exempt.params)
     assert norms == plain_norms and all(n > 0.5 for n in norms)  # the same norm, clipped on every step
     assert_same_weights(model, plain)
     assert weights_differ(model, build_model("tiny-olmoe", seed=0))
@@ -226,7 +202,7 @@ def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, c
     assert report["updates_deferred"] == 3 * 4 and report["deferred"]["kept_operand_peak"] > 0
     assert report["deferred"]["kept_whole"] == [] and report["fallbacks"] == []
     assert (report["graphs_compiled"] + report["graphs_from_cache"] > 0) == (compiler == "aot_eager")
-    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0]
+    assert [g["lr"] for g in model.sonar.param_groups] == [0.0, 0.0, 0.0]
 
 
 def test_the_schedule_follows_the_arguments(tmp_path):
@@ -243,7 +219,8 @@ def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
     not the plain Trainer."""
     one = {**DEFAULTS, "gradient_accumulation_steps": 1}
     args = TrainingArguments(output_dir=str(tmp_path), **one)
-    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    model = build_model("tiny-olmoe", seed=0)
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler="eager")
     SonarTrainer(model=model, args=args, train_dataset=SHORT).train()
     plain = build_model("tiny-olmoe", seed=0)
     args = TrainingArguments(output_dir=str(tmp_path), **one)
@@ -251,16 +228,15 @@ def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
     assert model.sonar.schedule == "in_backward" and weights_differ(model, plain)
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
-def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_path, optim):
+def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_path):
     """fp16=True: on CPU accelerate builds neither autocast nor a GradScaler, so both are given to both
     Trainers (before accelerate wraps model and optimizer), with a scale that overflows: skipped steps,
-    backed-off scales, and the LR schedule the plain Trainer's AdamW implies (the fused one is stepped
-    on every step and skips inside, so its schedule advances; the foreach one is not stepped)."""
+    backed-off scales, and the LR schedule the plain Trainer's fused AdamW implies (it is stepped on
+    every step and skips inside, so its schedule advances)."""
     runs = []
     for cls in (Trainer, SonarTrainer):
         model = build_model("tiny-olmoe", seed=0)
-        overrides = {**DEFAULTS, "fp16": True, "optim": optim}
+        overrides = {**DEFAULTS, "fp16": True}
         args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), **overrides)
         trainer = cls(model=model, args=args, train_dataset=SHORT)
         trainer.accelerator.native_amp = True  # fp16 autocast, as accelerate sets it up on a GPU
@@ -274,22 +250,21 @@ def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_
     (plain, *plain_facts), (model, *facts) = runs
     assert model.sonar.schedule == "deferred"
     assert facts[0] == plain_facts[0] == 2.0**16  # 2 of 3 steps overflowed: 2^24 * 2^8 * 2^-8 * 2^-8
-    assert facts[2] == plain_facts[2]  # the LR schedule: held on a skipped step only with foreach AdamW
-    assert (facts[2][1] == facts[2][0]) == (optim == "adamw_torch")
+    assert facts[2] == plain_facts[2] and facts[2][1] != facts[2][0]  # the LR schedule advanced
     assert [math.isnan(n) for n in facts[1]] == [math.isnan(n) for n in plain_facts[1]] == [True, False, True]
-    if optim == "adamw_torch_fused":  # Sonar's arithmetic is the fused kernel's; foreach rounds otherwise
-        assert_same_weights(model, plain)
+    assert_same_weights(model, plain)
 
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
 def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
     """TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, the fused LM head, the
-    router's auxiliary loss) and the Trainer's all-parameter clip, accumulating 2 micro-batches."""
+    router's auxiliary loss), the Trainer's all-parameter clip and weight decay 0.01 (norm weights
+    exempt), accumulating 2 micro-batches."""
     runs = []
     for cls in (SFTTrainer, SonarSFTTrainer):
         torch._dynamo.reset()
         args = training_args(
-            "unused", SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2, weight_decay=0.0,
+            "unused", SFTConfig, max_length=SEQ, pad_to_multiple_of=SEQ, max_steps=2,
             gradient_accumulation_steps=2,
         )  # fmt: skip
         data, tokenizer = Dataset.from_list(prompt_completion(RECORDS)), byte_tokenizer()
@@ -311,20 +286,23 @@ def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler):
-    """Three models in one process share one compiled graph (bound at run time to each model)."""
+def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path, compiler, monkeypatch):
+    """Three models in one process share one compiled graph (bound at run time to each model). The
+    checkpoint is in the plain Trainer's layout; one in Sonar's own (as written before) resumes too."""
     torch._dynamo.reset()
 
     def trainer(out, max_steps):
         args = training_args(out, max_steps=max_steps, save_strategy="steps", save_steps=2)
-        model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler=compiler)
+        model = build_model("tiny-olmoe", seed=0)
+        model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=compiler)
         return model, SonarTrainer(model=model, args=args, **trainer_data())
 
     whole, t = trainer(tmp_path / "whole", 4)
     t.train()
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
-    assert [g["name"] for g in state["param_groups"]] == ["dense", "experts"]
+    assert [len(g["params"]) for g in state["param_groups"]] == [16, 9]  # the Trainer's decay, no decay
+    assert all("name" not in g for g in state["param_groups"])
     assert len(state["state"]) == sum(1 for _ in whole.parameters())  # expert moments included
 
     resumed, t = trainer(tmp_path / "resumed", 4)
@@ -337,6 +315,15 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
 
     if compiler != "eager":
         return
+    with monkeypatch.context() as patched:  # a checkpoint in Sonar's own layout: loaded as it is
+        patched.setattr("sonar_fx.integrations.hf.has_trainer_layout", lambda opt: False)
+        _, t = trainer(tmp_path / "sonar_layout", 4)
+        t.train()
+    sonar_layout = tmp_path / "sonar_layout" / "checkpoint-2"
+    assert "name" in torch.load(sonar_layout / "optimizer.pt", weights_only=True)["param_groups"][0]
+    again, t = trainer(tmp_path / "again", 4)
+    t.train(resume_from_checkpoint=str(sonar_layout))
+    assert_same_weights(again, whole)
     # Teeth: the same resume without the optimizer state file must not match.
     (checkpoint / "optimizer.pt").unlink()
     fresh, t = trainer(tmp_path / "fresh", 4)
@@ -369,7 +356,8 @@ def test_load_best_model_at_end_restores_the_expert_tensors_too(tmp_path):
         tmp_path, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
         load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
     )  # fmt: skip
-    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    model = build_model("tiny-olmoe", seed=0)
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler="eager")
     trainer = SonarTrainer(model=model, args=args, eval_dataset=EXAMPLES[:2], **trainer_data())
     trainer.train()
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
@@ -394,7 +382,7 @@ def test_the_trainers_column_filter_sees_the_models_forward(tmp_path, compiler, 
     model = build_model("tiny-qwen3moe", seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # regional=True turns the KV cache off, with a warning
-        model = sonar_fx.compile(model, sonar_config(args), compiler=compiler, regional=regional)
+        model = sonar_fx.compile(model, sonar_config(args, model=model), compiler=compiler, regional=regional)
     assert _columns(model, args) == expected
 
 
@@ -443,10 +431,9 @@ def test_after_a_fallback_the_trainer_still_trains_exactly(tmp_path):
 
 def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overrides):
     args = training_args(tmp_path, **arg_overrides)
-    cfg = dataclasses.replace(sonar_config(args), **(cfg_changes or {}))
-    model = sonar_fx.compile(
-        build_model("tiny-olmoe", seed=0), cfg, compiler="eager", **(compile_kwargs or {})
-    )
+    model = build_model("tiny-olmoe", seed=0)
+    cfg = dataclasses.replace(sonar_config(args, model=model), **(cfg_changes or {}))
+    model = sonar_fx.compile(model, cfg, compiler="eager", **(compile_kwargs or {}))
     return model, lambda **kw: SonarTrainer(model=model, args=args, **trainer_data(), **kw)
 
 
@@ -458,7 +445,9 @@ def _sonar_trainer(tmp_path, cfg_changes=None, compile_kwargs=None, **arg_overri
         ({"lr": 1e-3}, {}, r"lr: Trainer 0\.01, model\.sonar 0\.001"),
         ({"betas": (0.9, 0.999)}, {}, r"betas: Trainer \(0\.9, 0\.95\)"),
         ({}, {"gradient_accumulation_steps": 2}, "multiply per_device_train_batch_size by 2"),
-        ({}, {"optim": "sgd"}, "optim='sgd'"),
+        ({}, {"optim": "sgd"}, r"optim='sgd'.*Set optim='adamw_torch_fused'"),
+        ({}, {"optim": "adamw_torch"}, r"rounds otherwise.*Set optim='adamw_torch_fused'"),
+        ({}, {"optim": "adamw_torch_fused", "optim_args": "foo=1"}, r"without optim_args"),
         ({}, {"torch_compile": True}, "torch_compile=False"),
         ({}, {"torch_compile": True, "torch_compile_backend": "sonar"}, r"not 'sonar'.*sonar_fx\.compile"),
         ({}, {"fp16": True}, r"schedule='deferred'.*bf16=True or fp32"),
@@ -482,6 +471,16 @@ def test_a_deferred_model_that_clips_otherwise_than_the_arguments_is_refused(tmp
         gradient_accumulation_steps=2,
     )  # fmt: skip
     assert build().sonar.schedule == "deferred"  # prepared by the user as SonarTrainer would: accepted
+
+
+def test_a_model_compiled_without_the_trainers_decay_groups_is_refused(tmp_path):
+    """weight_decay > 0 and a config built without the model (every tensor decayed): refused when the
+    Trainer is built, before any weight moves, naming the tensors and the fix."""
+    args = training_args(tmp_path)
+    model = sonar_fx.compile(build_model("tiny-olmoe", seed=0), sonar_config(args), compiler="eager")
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"norm\.weight \(0\.01 where the Trainer uses 0\.0\).*"
+                       r"sonar_config\(args, model=model\)"):  # fmt: skip
+        SonarTrainer(model=model, args=args, **trainer_data())
 
 
 def test_another_optimizer_and_late_trainable_parameters_are_refused(tmp_path):
@@ -528,7 +527,7 @@ def test_peft_applied_before_compile_trains_exactly_and_after_compile_is_refused
     standard_trainer(standard, training_args(tmp_path, max_steps=2), **trainer_data()).train()
 
     model = _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0))
-    model = sonar_fx.compile(model, sonar_config(args), compiler="eager")
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler="eager")
     trainer = SonarTrainer(model=model, args=args, **trainer_data())
     trainer._set_signature_columns_if_needed()  # the Trainer reads the base model's forward under PEFT
     assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
@@ -538,9 +537,8 @@ def test_peft_applied_before_compile_trains_exactly_and_after_compile_is_refused
     moved = weights_differ(model, _lora_with_trainable_experts(build_model("tiny-qwen3moe", seed=0)))
     assert any("lora_B" in n for n in moved) and any("experts" in n for n in moved)
 
-    late = _lora_with_trainable_experts(
-        sonar_fx.compile(build_model("tiny-qwen3moe", seed=0), sonar_config(args))
-    )
+    qwen = build_model("tiny-qwen3moe", seed=0)
+    late = _lora_with_trainable_experts(sonar_fx.compile(qwen, sonar_config(args, model=qwen)))
     with pytest.raises(sonar_fx.SonarUsageError, match="lora_A"):
         SonarTrainer(model=late, args=args, **trainer_data())
 

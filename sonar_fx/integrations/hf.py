@@ -15,14 +15,20 @@ model with the graph pass; default "eager", as the Trainer runs it).
   at `step()` from operands kept in backward) and with the in-backward schedule otherwise (the same
   arithmetic, fastest). A model the user prepared keeps its schedule; an in-backward one clips only
   the dense gradients (the Trainer's clip sees no expert `.grad`) and refuses accumulation and fp16.
-- Optimizer: `model.sonar`, whose AdamW hyper-parameters come from the Trainer's own arguments
-  (`sonar_config`); scheduler: the Trainer's own, which drives the dense and the expert LR alike.
+- Optimizer: `model.sonar`, torch's fused AdamW (`optim="adamw_torch_fused"`, the Trainer's default;
+  every other `optim` is refused), whose hyper-parameters come from the Trainer's own arguments
+  (`sonar_config`), with biases and norm weights, dense or expert, in a no-decay group by the Trainer's
+  own rule; scheduler: the Trainer's own, which drives every group alike. `model_init=` models are
+  prepared as `model=` is.
+- The logged `grad_norm`: the norm over every gradient before clipping, as the plain Trainer logs it
+  (`hf_deferred.norm_over_every_parameter` where Sonar does not clip).
 - Clipping, exactly once: deferred, by Sonar's `step()` (one global norm over every parameter with the
   Trainer's `max_grad_norm`; the Trainer's own clip is switched off, and the norm it logs is Sonar's);
   in-backward, by the Trainer (Sonar's clip off: a second clip is not a no-op).
-- Checkpoints: the Trainer's own. Its `optimizer.pt` holds `model.sonar.state_dict()` (dense and expert
-  moments and steps), so `trainer.train(resume_from_checkpoint=...)` resumes bitwise; expert weights
-  that `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
+- Checkpoints: the Trainer's own, with `optimizer.pt` and `scheduler.pt` in the plain Trainer's layout
+  (dense and expert moments and steps in its decay / no-decay groups), so either Trainer resumes the
+  other's checkpoint bitwise (`sonar_fx.integrations.hf_checkpoint`); expert weights that
+  `save_pretrained` wrote in another layout are loaded through `from_pretrained`'s conversion.
 
 Never: clip twice, accumulate gradients silently (in-backward experts are updated inside every
 backward), ignore a Trainer argument that would change the optimizer, or leave a trainable parameter
@@ -31,26 +37,33 @@ out of the optimizer.
 
 from __future__ import annotations
 
-import json
-import warnings
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from sonar_fx.api import compile as sonar_compile
 from sonar_fx.api import sonar_of
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import AdamWConfig, WeightDecayGroup
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.integrations.hf_checkpoint import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    has_trainer_layout,
+    load_converted_weights_,
+    load_either_layout,
+    save_in_trainer_layout,
+    trainer_groups,
+)
+from sonar_fx.integrations.hf_deferred import DeferredStep, norm_over_every_parameter
 from sonar_fx.optim.optimizer import Schedule, SonarOptimizer
 
 try:
     from transformers import (
-        PreTrainedModel,
         PreTrainedTokenizerFast,
         Trainer,
-        TrainerCallback,
         TrainingArguments,
     )
 except ImportError as err:  # Trainer needs accelerate, which only the extra brings
@@ -69,8 +82,8 @@ __all__ = [
     "trainer_schedule",
 ]
 
-SONAR_OPTIMS = ("adamw_torch", "adamw_torch_fused")
-"""`TrainingArguments.optim` values Sonar computes (fused AdamW arithmetic)."""
+SONAR_OPTIMS = ("adamw_torch_fused",)
+"""`TrainingArguments.optim` values Sonar computes: torch's fused AdamW (the Trainer's default)."""
 
 
 def _trainer_clips(args: TrainingArguments) -> bool:
@@ -85,40 +98,73 @@ def trainer_schedule(args: TrainingArguments) -> Schedule:
     return "deferred" if end_of_step else "in_backward"
 
 
-def sonar_config(args: TrainingArguments, schedule: Schedule = "in_backward") -> AdamWConfig:
-    """The `AdamWConfig` for `sonar_fx.compile(..., schedule=schedule)` from the Trainer's own arguments.
-    "deferred": Sonar clips, with the Trainer's `max_grad_norm`, one norm over every parameter (the
-    Trainer's clip is then switched off). "in_backward": Sonar's clip off; the Trainer clips, once, and
-    that clip sees only dense gradients."""
+def sonar_config(
+    args: TrainingArguments,
+    schedule: Schedule = "in_backward",
+    *,
+    model: nn.Module | None = None,
+    decay_names: Collection[str] | None = None,
+) -> AdamWConfig:
+    """The `AdamWConfig` for `sonar_fx.compile(model, ..., schedule=schedule)` from the Trainer's own
+    arguments. "deferred": Sonar clips, with the Trainer's `max_grad_norm`, one norm over every parameter
+    (the Trainer's clip is then switched off). "in_backward": Sonar's clip off; the Trainer clips, once,
+    and that clip sees only dense gradients.
+    With `weight_decay > 0` pass `model`: the Trainer exempts biases and norm weights from decay (its
+    `get_decay_parameter_names`, or `decay_names` when a Trainer subclass decides otherwise), and the
+    config puts those trainable tensors, dense or expert, in a group with weight_decay 0.0."""
     clip = args.max_grad_norm if schedule == "deferred" and _trainer_clips(args) else None
+    groups: tuple[WeightDecayGroup, ...] = ()
+    if args.weight_decay > 0 and model is not None:
+        exempt = no_decay_names(model, trainer_decay_names(model) if decay_names is None else decay_names)
+        groups = (WeightDecayGroup(params=exempt, weight_decay=0.0),) if exempt else ()
     return AdamWConfig(
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
+        weight_decay_groups=groups,
         max_grad_norm=clip,
         expert_clip="global" if clip is not None else None,
     )
 
 
-def prepare_for_trainer(model: nn.Module, args: TrainingArguments, *, compiler: str = "eager") -> nn.Module:
+def trainer_decay_names(model: nn.Module) -> list[str]:
+    """The names the plain Trainer's AdamW decays (`Trainer.get_decay_parameter_names`, which reads only
+    the model): everything but biases and norm weights."""
+    return Trainer.get_decay_parameter_names(cast(Any, None), model)
+
+
+def no_decay_names(model: nn.Module, decay_names: Collection[str]) -> tuple[str, ...]:
+    """The trainable parameters the Trainer's AdamW leaves undecayed (its second param group)."""
+    decay = set(decay_names)
+    return tuple(n for n, p in model.named_parameters() if p.requires_grad and n not in decay)
+
+
+def prepare_for_trainer(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    compiler: str = "eager",
+    decay_names: Collection[str] | None = None,
+) -> nn.Module:
     """`sonar_fx.compile` `model` so that it trains as the Trainer would with `args` (the schedule of
     `trainer_schedule`, the config of `sonar_config`). `compiler="eager"`: hooks, no torch.compile, as
     the Trainer runs a model by default; "aot_eager" or "inductor": the graph pass."""
     schedule = trainer_schedule(args)
-    return sonar_compile(model, sonar_config(args, schedule), compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
+    cfg = sonar_config(args, schedule, model=model, decay_names=decay_names)
+    return sonar_compile(model, cfg, compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 
-def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer) -> None:
+def check_trainer_setup(
+    args: TrainingArguments,
+    model: nn.Module,
+    optimizer: SonarOptimizer,
+    decay_names: Collection[str] | None = None,
+) -> None:
     """Refuse, naming the fix, every Trainer setting under which Sonar would train differently from what
-    the arguments say (the mixin runs this when the Trainer is built and when it creates the optimizer)."""
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in SONAR_OPTIMS or args.optim_args:
-        raise SonarUsageError(
-            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar trains with fused "
-            f"AdamW ({' or '.join(SONAR_OPTIMS)}, no optim_args); its expert update is exact only for an "
-            "element-wise optimizer. Leave optim at its default."
-        )
+    the arguments say (the mixin runs this when the Trainer is built and when it creates the optimizer).
+    `decay_names`: what the Trainer decays (default: `trainer_decay_names(model)`)."""
+    refuse_other_optim(args)
     refuse_torch_compile(args)
     if optimizer.schedule == "deferred":
         _check_deferred_clip(args, optimizer)
@@ -126,6 +172,28 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module, optimizer: So
         _check_in_backward(args, optimizer)
     _check_hyperparameters(args, optimizer)
     _check_trainable(model, optimizer)
+    _check_weight_decay(
+        args, model, optimizer, trainer_decay_names(model) if decay_names is None else decay_names
+    )
+
+
+def refuse_other_optim(args: TrainingArguments) -> None:
+    """Sonar computes torch's fused AdamW: every other `optim` would train with other arithmetic."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim == "adamw_torch" and not args.optim_args:
+        raise SonarUsageError(
+            "TrainingArguments(optim='adamw_torch') runs torch's AdamW without fused=True (foreach "
+            "kernels on a GPU, one tensor at a time on CPU), which rounds otherwise than the fused kernel "
+            "Sonar computes (every expert update is one fused call). Set optim='adamw_torch_fused', the "
+            "Trainer's default: the same AdamW, in torch's fused kernel."
+        )
+    if optim not in SONAR_OPTIMS or args.optim_args:
+        raise SonarUsageError(
+            f"TrainingArguments(optim={optim!r}, optim_args={args.optim_args!r}): Sonar computes torch's "
+            "fused AdamW only (its expert update is one element-wise fused call per tensor, inside backward "
+            "or at the step). Set optim='adamw_torch_fused' (the Trainer's default) without optim_args, or "
+            "train with the plain Trainer."
+        )
 
 
 def _check_in_backward(args: TrainingArguments, optimizer: SonarOptimizer) -> None:
@@ -210,6 +278,29 @@ def _check_hyperparameters(args: TrainingArguments, optimizer: SonarOptimizer) -
         )
 
 
+def _check_weight_decay(
+    args: TrainingArguments, model: nn.Module, optimizer: SonarOptimizer, decay_names: Collection[str]
+) -> None:
+    """Each tensor's weight decay in model.sonar must be the one the Trainer's AdamW gives it: `weight_decay`
+    for the names the Trainer decays, 0.0 for the rest (biases, norm weights)."""
+    decay = set(decay_names)
+    label = {id(p): n for n, p in model.named_parameters()}
+    differ = [
+        f"{label[id(p)]} ({group['weight_decay']} where the Trainer uses {wanted})"
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) in label
+        and group["weight_decay"] != (wanted := args.weight_decay if label[id(p)] in decay else 0.0)
+    ]
+    if differ:
+        raise SonarUsageError(
+            f"model.sonar decays {len(differ)} tensor(s) otherwise than the Trainer's AdamW, which exempts "
+            f"biases and norm weights (e.g. {'; '.join(differ[:3])}). Compile with "
+            "sonar_fx.integrations.hf.sonar_config(args, model=model), which groups them as the Trainer "
+            "does, or pass the model unprepared."
+        )
+
+
 def _check_trainable(model: nn.Module, optimizer: SonarOptimizer) -> None:
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
@@ -230,9 +321,11 @@ class SonarTrainerMixin:
     sonar: SonarOptimizer
 
     def __init__(self, *args: Any, sonar_compiler: str = "eager", **kwargs: Any) -> None:
+        self._sonar_compiler = sonar_compiler
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
-            refuse_torch_compile(training_args)  # before the Trainer hands it to accelerate, which fails
+        if training_args is not None:  # before anything is prepared or handed to accelerate
+            refuse_other_optim(training_args)
+            refuse_torch_compile(training_args)  # accelerate would fail on it
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and not isinstance(getattr(model, "sonar", None), SonarOptimizer):
             if training_args is None:
@@ -240,12 +333,12 @@ class SonarTrainerMixin:
                     f"{type(self).__name__}(model=<unprepared model>) without args: the TrainingArguments "
                     "decide how Sonar prepares the model (clip, accumulation); pass args=."
                 )
-            model = prepare_for_trainer(model, training_args, compiler=sonar_compiler)
+            model = self._prepared(model, training_args)
             if "model" in kwargs:
                 kwargs["model"] = model
             else:
                 args = (model, *args[1:])
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # with model_init=, calls `call_model_init` (below)
         trainer: Any = self
         self.sonar = sonar_of(trainer.model)
         if trainer.optimizer is not None and trainer.optimizer is not self.sonar:
@@ -259,34 +352,85 @@ class SonarTrainerMixin:
                 "optimizer_cls_and_kwargs cannot choose the optimizer of a Sonar model (it is model.sonar); "
                 "leave it out."
             )
-        check_trainer_setup(trainer.args, trainer.model, self.sonar)
-        if trainer.args.weight_decay > 0:
-            warnings.warn(
-                f"SonarTrainer: weight_decay={trainer.args.weight_decay} applies to every tensor, norm "
-                "weights and biases included (the Trainer's own AdamW exempts those).",
-                stacklevel=2,
-            )
+        self._check_setup()
         self._sonar_norm: Tensor | None = None
-        if self.sonar.schedule == "deferred":
-            trainer.add_callback(_DeferredStep(self))
+        trainer.add_callback(DeferredStep(self))  # idle under the in-backward schedule
+
+    def _prepared(self, model: nn.Module, args: TrainingArguments) -> nn.Module:
+        """`model` as `prepare_for_trainer` prepares it for `args`, unless it is prepared already."""
+        if isinstance(getattr(model, "sonar", None), SonarOptimizer):
+            return model
+        decay_names = self.get_decay_parameter_names(model)  # type: ignore[attr-defined]
+        return prepare_for_trainer(model, args, compiler=self._sonar_compiler, decay_names=decay_names)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """`model_init=`: each model it builds (one per `train()`, per hyper-parameter trial) is prepared
+        as `model=` is, with the arguments of that trial; its `model.sonar` becomes the optimizer."""
+        trainer: Any = self
+        return self._prepared(super().call_model_init(trial), trainer.args)  # type: ignore[misc]
+
+    def _check_setup(self) -> None:
+        trainer: Any = self
+        decay_names = trainer.get_decay_parameter_names(trainer.model)
+        check_trainer_setup(trainer.args, trainer.model, self.sonar, decay_names)
 
     def create_optimizer(self, model: nn.Module | None = None) -> SonarOptimizer:
         trainer: Any = self
-        check_trainer_setup(trainer.args, trainer.model, self.sonar)
+        self.sonar = sonar_of(trainer.model)  # model_init= may have built a new model since __init__
+        self._check_setup()
         trainer.optimizer = self.sonar
         return self.sonar
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor | None:
         if self.sonar.schedule == "deferred":
             return None  # Sonar's step() clips, once, with the norm of every gradient
-        return super()._clip_grad_norm(model)  # type: ignore[misc]
+        # In-backward: the Trainer's clip sees the dense gradients alone (the expert ones were applied
+        # and freed in backward) and clips by their norm; the norm it logs is still over every one.
+        logged = norm_over_every_parameter(self.sonar, self.sonar.clipper.current.experts)
+        super()._clip_grad_norm(model)  # type: ignore[misc]
+        return logged
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         if self.sonar.schedule == "deferred":
-            # The norm exists only inside step(): `_DeferredStep` fills this before the Trainer logs it.
+            # The norm exists only inside step(): `DeferredStep` fills this before the Trainer logs it.
             self._sonar_norm = torch.full((), float("nan"))
             return self._sonar_norm
+        if grad_norm is None:  # no clip: the norm the plain Trainer takes with max_norm=inf
+            grad_norm = norm_over_every_parameter(self.sonar, self.sonar.clipper.current.experts)
         return super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+
+    def _trainer_groups(self) -> list[list[Tensor]]:
+        """The param groups the plain Trainer's AdamW would have over this model (decay, no decay)."""
+        trainer: Any = self
+        return trainer_groups(trainer.model, trainer.get_decay_parameter_names(trainer.model))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's save, then its two files rewritten in the plain Trainer's layout, so that either
+        Trainer resumes the checkpoint (`sonar_fx.integrations.hf_checkpoint`)."""
+        trainer: Any = self
+        super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+        folder = Path(output_dir)
+        saved = trainer.args.should_save and (folder / OPTIMIZER_FILE).is_file()
+        if saved and has_trainer_layout(self.sonar):
+            save_in_trainer_layout(folder, self.sonar, self._trainer_groups(), trainer.args.weight_decay)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A checkpoint of either Trainer: the plain Trainer's state mapped tensor by tensor onto Sonar's
+        groups, Sonar's loaded as is (the engines' own loaders, DeepSpeed's and FSDP's, are the Trainer's)."""
+        trainer: Any = self
+        folder = Path(checkpoint) if checkpoint is not None else None
+        if (
+            folder is None
+            or not (folder / OPTIMIZER_FILE).is_file()
+            or not (folder / SCHEDULER_FILE).is_file()
+            or trainer.is_deepspeed_enabled
+            or trainer.is_fsdp_enabled
+        ):
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        args = trainer.args
+        where = args.device if args.world_size > 1 and args.device.type != "cpu" else "cpu"  # as the Trainer
+        load_either_layout(folder, self.sonar, trainer.lr_scheduler, self._trainer_groups(), where)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         trainer: Any = self
@@ -297,91 +441,6 @@ class SonarTrainerMixin:
         trainer: Any = self
         super()._load_best_model()  # type: ignore[misc]
         load_converted_weights_(trainer.model, Path(trainer.state.best_model_checkpoint))
-
-
-class _DeferredStep(TrainerCallback):
-    """The Trainer's end of a deferred step, where its loop assumes the gradients were all in `.grad`:
-    - the norm it logs is the one Sonar's step() clipped by (the Trainer's clip is off);
-    - accelerate reports a step skipped (and the Trainer then holds the LR scheduler) when the scaler
-      did not call `step()`. The plain Trainer's AdamW decides that call: the fused one
-      (`_step_supports_amp_scaling`) is always called and skips inside, so its LR schedule advances
-      on every step; the foreach one is not called on an overflow. Sonar's step is called unless the
-      DENSE gradients overflowed; so the flag is set as the Trainer's AdamW would have it (overflow:
-      the scale backed off in `update()`);
-    - the kept operands of a skipped step are dropped with the gradients: the Trainer zeroes the
-      model's gradients, not the optimizer's, and kept operands are the optimizer's."""
-
-    def __init__(self, trainer: SonarTrainerMixin) -> None:
-        self.trainer = trainer
-        self.scale: float | None = None
-
-    def _scaler(self) -> Any:
-        return getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
-
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        scaler = self._scaler()
-        self.scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        scaler, optimizer = self._scaler(), kwargs["optimizer"]
-        backed_off = self.scale is not None and scaler.get_scale() < self.scale
-        if self.scale is not None and hasattr(optimizer, "_is_overflow"):
-            fused = str(getattr(args.optim, "value", args.optim)) == "adamw_torch_fused"
-            optimizer._is_overflow = backed_off and not fused  # behind `optimizer_step_was_skipped`
-        norms = self.trainer.sonar.grad_norms()
-        norm = norms["total"] if norms["total"] is not None else norms["dense"]
-        if self.trainer._sonar_norm is not None and norm is not None and not backed_off:
-            self.trainer._sonar_norm.fill_(norm)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.trainer.sonar.zero_grad()
-
-
-def load_converted_weights_(model: nn.Module, checkpoint: Path) -> list[str]:
-    """Load, in place, the weights the Trainer's resume could not: those `save_pretrained` wrote in the
-    checkpoint's original layout (transformers 5 saves batched MoE experts back as one tensor per
-    expert, and the Trainer's resume loads keys as they are, so every expert tensor would silently keep
-    its fresh value; `load_best_model_at_end` likewise). `from_pretrained` converts the layout, holding
-    one more copy of the model in CPU memory meanwhile; the tensors are then copied into the model's own
-    parameters, so Sonar's bindings and compiled graphs stay valid. Returns the names."""
-    saved = _checkpoint_keys(checkpoint)
-    if saved is None:
-        return []  # not a safetensors checkpoint: the Trainer's own load reported what it found
-    state = model.state_dict()
-    missing = [k for k in state if k not in saved]
-    if not missing:
-        return []
-    if not isinstance(model, PreTrainedModel):
-        raise RuntimeError(
-            f"{checkpoint}: the checkpoint lacks {len(missing)} of the model's tensors (e.g. "
-            f"{missing[:3]}) and {type(model).__name__} is not a PreTrainedModel, whose from_pretrained "
-            "could convert them."
-        )
-    dtype = next(iter(state.values())).dtype
-    converted = type(model).from_pretrained(
-        checkpoint, config=model.config, dtype=dtype, local_files_only=True
-    )
-    source = converted.state_dict()
-    absent = [k for k in missing if k not in source]
-    if absent:
-        raise RuntimeError(f"{checkpoint}: the checkpoint holds no value for {absent[:3]}; cannot resume.")
-    with torch.no_grad():
-        for key in missing:
-            state[key].copy_(source[key])
-    return missing
-
-
-def _checkpoint_keys(checkpoint: Path) -> set[str] | None:
-    index = checkpoint / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    single = checkpoint / "model.safetensors"
-    if not single.is_file():
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return set(f.keys())
 
 
 class SonarTrainer(SonarTrainerMixin, Trainer):

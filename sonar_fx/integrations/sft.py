@@ -4,7 +4,7 @@ For: supervised fine-tuning with TRL on a model compiled by `sonar_fx.compile`, 
 single clip and checks as `sonar_fx.integrations.hf.SonarTrainer`:
 
     args = SFTConfig(output_dir=..., learning_rate=2e-5, max_grad_norm=1.0, ...)
-    model = sonar_fx.compile(model, sonar_config(args), compiler="inductor")
+    model = sonar_fx.compile(model, sonar_config(args, model=model), compiler="inductor")
     SonarSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(prompt_completion(records)),
                     processing_class=tokenizer).train()
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.muon import HYPER as MUON_HYPER
 from sonar_fx.optim.step_tracker import StepTracker
@@ -40,8 +41,7 @@ class Optimizer(Protocol):
     _norm_rank: list[int]
     _labels: list[str | None]
 
-    @property
-    def expert_group(self) -> dict[str, Any]: ...
+    experts: ExpertSet
 
     def _index_params(self) -> None: ...
 
@@ -61,7 +61,7 @@ def add_param_group(
 
 
 def _refuse(opt: Optimizer, tensors: list[Tensor], group: dict[str, Any]) -> None:
-    experts = {id(p) for p in opt.expert_group["params"]}
+    experts = {id(p) for p in opt.experts.params}  # weight-decay splits included
     if any(id(p) in experts for p in tensors):
         raise SonarUsageError(
             "add_param_group got an expert tensor: Sonar's experts group already holds every expert tensor "

@@ -184,7 +184,7 @@ def step(opt: SonarOptimizer) -> None:
     """The deferred schedule's `step()`: verdicts first (a scaler's inf check, the global norm), then
     the dense step, then each expert computed, clipped, updated and freed in turn."""
     store = opt.deferred
-    experts = [p for p in opt.expert_group["params"] if store.has(p)]
+    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
         opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -38,9 +38,6 @@ class Optimizer(Protocol):
     experts: ExpertSet
     nonfinite_policy: NonFinitePolicy
     stats: SonarStats
-
-    @property
-    def expert_group(self) -> dict[str, Any]: ...
 
     def dense_params(self) -> list[Tensor]: ...
 
@@ -115,7 +112,7 @@ def _global_norm(opt: Optimizer) -> list[Tensor] | None:
     dense_norms = torch._foreach_norm([p.grad for p in dense if p.grad is not None], 2.0) if dense else []
     by_param: dict[int, Tensor] = {id(p): n for p, n in zip(dense, dense_norms, strict=True)}
     ids = {name: pid for pid, name in names.items()}
-    experts = [p for p in opt.expert_group["params"] if names[id(p)] in norms.experts]
+    experts: list[Tensor] = [p for p in opt.experts.params if names[id(p)] in norms.experts]
     by_param.update({ids[n]: opt.clipper.clip_norm(n) for n in norms.experts})
     in_order = sorted(by_param, key=opt.model_order().__getitem__)
     ordered = [by_param[pid] for pid in in_order]

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.checks import refuse_unseen_grad_hooks
 from sonar_fx.optim.update_rule import UpdateRule
 
@@ -104,8 +105,7 @@ class Optimizer(Protocol):
 
     def group_rules(self) -> list[tuple[dict[str, Any], Any]]: ...
 
-    @property
-    def expert_group(self) -> dict[str, Any]: ...
+    experts: ExpertSet
 
     def expert_name(self, param: Tensor) -> str: ...
 
@@ -117,4 +117,4 @@ def refuse_before_update(opt: Optimizer, path: str) -> None:
     expert tensor, so a hook anywhere is refused before the first expert of the backward moves."""
     refuse_group_edits(opt.group_rules())
     if path in ("graph", "deferred"):
-        refuse_unseen_grad_hooks(opt.expert_group["params"], opt.expert_name, path)
+        refuse_unseen_grad_hooks(opt.experts.params, opt.expert_name, path)

@@ -40,6 +40,7 @@ from sonar_fx.optim.saving import OnSavingLost, SavingGuard, expert_grad_bytes, 
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.optim.untracked import UntrackedGradients
+from sonar_fx.optim.weight_decay import expert_group_of, role_of, split_by_weight_decay
 from sonar_fx.runtime import hooks, registry
 from sonar_fx.runtime.engine import GradientFate
 from sonar_fx.runtime.meter import ExpertGradMeter
@@ -123,9 +124,11 @@ class SonarOptimizer(torch.optim.Optimizer):
             hidden = [p for p in dense_params if id(p) in split]
             groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg),
                                **self.matrix_rule.torch_keys()))  # fmt: skip
+        labels = dict(zip(map(id, dense_params), dense_names or (), strict=False))
+        names = {**labels, **self.experts.names_by_id()}
+        groups = split_by_weight_decay(groups, cfg.weight_decay_groups, names)
         order = list(param_order) if param_order is not None else [*dense_params, *experts]
         rank = {id(p): i for i, p in enumerate(order)}
-        labels = dict(zip(map(id, dense_params), dense_names or (), strict=False))
         flat = [p for g in groups for p in g["params"]]
         # Per param, in param-group order: plain ints and strings, so copies and pickles keep them.
         self._norm_rank = [rank[id(p)] for p in flat]
@@ -197,6 +200,7 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     @property
     def expert_group(self) -> dict[str, Any]:
+        """The experts' role group (groups split off it by weight decay follow the role groups)."""
         return self.param_groups[1]
 
     def dense_params(self) -> list[Tensor]:
@@ -220,13 +224,14 @@ class SonarOptimizer(torch.optim.Optimizer):
         return self._label.get(id(param)) or f"dense tensor #{self._order[id(param)]}"
 
     def group_rules(self) -> list[tuple[dict[str, Any], Any]]:
-        """(param group, its rule) of every group: Muon's third its matrix rule, any added later the dense."""
-        rules = [self.rule, self.expert_rule] + ([self.matrix_rule] if self.matrix_rule is not None else [])
-        return [(g, rules[i] if i < len(rules) else self.rule) for i, g in enumerate(self.param_groups)]
+        """(param group, its rule) of every group, by its role (`weight_decay.role_of`): a group split
+        off by weight decay keeps its role's rule, one added later (`add_param_group`) the dense rule."""
+        rules = {"experts": self.expert_rule, "dense_matrices": self.matrix_rule}
+        return [(g, rules.get(role_of(g)) or self.rule) for g in self.param_groups]
 
     def _dense_updates(self) -> list[tuple[dict[str, Any], Any]]:
         """(param group, its rule) of every group updated at `step()`."""
-        return [(g, rule) for g, rule in self.group_rules() if g is not self.expert_group]
+        return [(g, rule) for g, rule in self.group_rules() if role_of(g) != "experts"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, for a dense group (`added_groups`): stepped at `step()` with the dense rule."""
@@ -248,7 +253,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         for group, rule in self._dense_updates():
             for p in group["params"]:
                 self._state(p, rule=rule)
-        for p in self.expert_group["params"]:
+        for p in self.experts.params:
             self._state(p, expert=self._names[id(p)])
         self._fresh.clear()  # a template, not a first update that a skipped step would undo
 
@@ -322,7 +327,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         found_inf = self.nonfinite_policy.flag(name, grad, norm)
         # A hook's gradient is param.grad, freed right after: ours to scale in place, as is a copy.
         g = self.clipper.clip(name, g, owned=g is not grad or path in ("hook", "deferred", "kept"))
-        group, state = self.expert_group, self._state(param, expert=name)
+        group, state = expert_group_of(self.param_groups, param), self._state(param, expert=name)
         if self.granularity == "batched":
             self.expert_rule.update_([param], [g], [state], group, found_inf=found_inf)
             calls = 1
@@ -469,7 +474,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """A tensor whose FIRST update was skipped gets no state, as if it had never been stepped (an
         SGD momentum buffer is only initialized by an update that runs)."""
         by_name = {name: pid for pid, name in self._names.items()}
-        by_id = {id(p): p for p in self.expert_group["params"]}
+        by_id = {id(p): p for p in self.experts.params}
         for name in names:
             if name in self._fresh:
                 self.state.pop(by_id[by_name[name]], None)
