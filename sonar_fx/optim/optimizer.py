@@ -27,7 +27,14 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
+from sonar_fx.optim.checks import (
+    check_tensor,
+    hyperparameters,
+    refuse_changed_grads,
+    refuse_changed_hyperparameters,
+    refuse_second_step,
+    refuse_unsupported,
+)
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
@@ -144,6 +151,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
+        self._expert_hyperparameters: dict[str, Any] = {}  # the expert group's, at this step's last update
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
         self._names = self.experts.names_by_id()
         flat = [p for g in self.param_groups for p in g["params"]]
@@ -315,6 +323,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         else:  # the ablation: one kernel call per expert slice
             calls = self.expert_rule.update_slices_(param, g, state, group, found_inf=found_inf)
         self.tracker.record(name)
+        self._expert_hyperparameters = hyperparameters(group)
         self.stats.record_update(name, path, calls=calls)
 
     def backward_began(self) -> None:
@@ -351,6 +360,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self._end_step()
             return
+        if self.tracker.updated:  # the experts stepped with the values of their updates: so must the dense
+            refuse_changed_hyperparameters(self._expert_hyperparameters, self.expert_group)
         self.dense_step()
         self._end_step()
 
