@@ -335,7 +335,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Autograd runs this when a backward that updated experts (or began at the model's outputs)
         ends; never when it raised."""
         self.tracker.backward_finished()
-        self.grad_watch.backward_finished(self._dense)
+        if self.distributed is None:
+            self.grad_watch.backward_finished(self._dense)
+        else:  # an engine writes the reduced dense gradients in its own end-of-backward callback: after it
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.grad_watch.backward_finished(self._dense)
+            )
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -401,8 +406,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _refuse_changed_grads(self) -> None:
         """Dense gradients written after backward (a clip of the user's own) while Sonar clips: refused
         before any dense tensor moves (`grad_watch`); after the non-finite check, which names a NaN."""
-        # Distributed engines may rewrite dense gradients after backward's end (DDP's reducer): unwatched.
-        if self.cfg.clips and self.distributed is None:
+        if self.cfg.clips:
             changed = self.grad_watch.changed_since_backward(self._dense)
             if changed:
                 refuse_changed_grads(
