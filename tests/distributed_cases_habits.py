@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from distributed_cases import differ
-from distributed_cases_options import ADAMW, ENGINES, train_standard
+from distributed_cases_options import ADAMW, ENGINES, clip_, expert_params, torch_optimizers, train_standard
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.algorithms.join import Join
@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sonar_fx
 import sonar_fx.distributed as sd
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models import build_model
 
 from helpers import batches
@@ -125,12 +126,36 @@ def own_clip_with_sonar_clip_off(engine: str, rank: int) -> list[str]:
 # --------------------------------------------------------------------------------- 2. a comm hook
 
 
-def comm_hook(engine: str) -> dict[str, str | None]:
-    run, _, _ = build(engine)
+def comm_hook_on_ddp() -> dict[str, str | None]:
+    """DDP: plain DDP's hook would reach every gradient, Sonar's experts bypass the buckets: refused."""
+    run, _, _ = build("ddp")
     return {
         "python": refused(lambda: run.register_comm_hook(None, fp16_compress_hook)),
         "builtin": refused(lambda: run._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)),
     }
+
+
+def comm_hook_on_ep(rank: int) -> dict[str, list[str]]:
+    """Expert parallelism: the plain engine keeps the experts out of DDP too, so the hook reaches the
+    dense gradients alone in both: exact against the plain engine with the hook, and (the control)
+    other than the plain engine without it."""
+    run, opt, model = build("ep")
+    run.register_comm_hook(None, fp16_compress_hook)
+    train_on(run, opt, rank)
+    twin = build_model("tiny-reference", seed=0)
+    sd.shard_experts_(twin)
+    DDP._set_params_and_buffers_to_ignore_for_model(twin, ExpertSet.discover(twin).names)
+    twin_run = DDP(twin)
+    twin_run.register_comm_hook(None, fp16_compress_hook)
+    twin_opt = torch_optimizers(twin, ADAMW)[0]
+    for b in batches(STEPS, seed=1 + rank):
+        loss_of(twin_run, b).backward()
+        for p in expert_params(twin):
+            p.grad.mul_(ENGINES["ep"].expert_scale)
+        clip_("dense", twin, ENGINES["ep"], ADAMW.max_grad_norm)
+        twin_opt.step()
+        twin_opt.zero_grad()
+    return {"differ": differ(model, twin), "without_hook": vs_standard("ep", model, rank)}
 
 
 # ---------------------------------------------------------------- 3, 4. no_sync() and its flag
@@ -254,8 +279,9 @@ def habits(rank: int) -> dict[str, Any]:
     out["own_clip/ddp/aot_eager"] = own_clip("ddp", rank, compiler="aot_eager")
     for engine in ("ddp", "fsdp2", "ep"):
         out[f"own_clip_sonar_off/{engine}"] = own_clip_with_sonar_clip_off(engine, rank)
+    out["comm_hook/ddp"] = comm_hook_on_ddp()
+    out["comm_hook/ep"] = comm_hook_on_ep(rank)
     for engine in ("ddp", "ep"):
-        out[f"comm_hook/{engine}"] = comm_hook(engine)
         out[f"no_sync/{engine}"] = unsynced_then_go_on(engine, rank, "no_sync")
         out[f"join/{engine}"] = join(engine, rank)
     out["flag/ddp"] = unsynced_then_go_on("ddp", rank, "flag")

@@ -78,10 +78,18 @@ def ddp(
 class SonarDDP(DistributedDataParallel):
     """The DDP wrapper `ddp` and `expert_parallel` return: DDP itself, refusing what would reach the
     dense buckets and miss the experts, which Sonar reduces (or, under expert parallelism, exchanges)
-    outside DDP: a communication hook and the uneven-inputs `join()`. Each is refused when it is
-    called, before any gradient or weight moves."""
+    outside DDP: a communication hook (under `ddp`) and the uneven-inputs `join()`. Each is refused
+    when it is called, before any gradient or weight moves."""
+
+    experts_reduced_by_ddp_twin = True
+    """The plain engine's DDP reduces the experts too (data parallelism), so a hook there reaches them;
+    under expert parallelism the plain engine keeps them out of DDP as Sonar does, and a hook on the
+    dense buckets is the same in both (`expert_parallel` sets False)."""
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        if not self.experts_reduced_by_ddp_twin:
+            super().register_comm_hook(state, hook)
+            return
         raise SonarUsageError(
             f"DDP.register_comm_hook({getattr(hook, '__name__', hook)!r}): a communication hook runs on "
             "DDP's buckets, which hold the dense gradients only; Sonar reduces each expert gradient itself, "
@@ -91,6 +99,9 @@ class SonarDDP(DistributedDataParallel):
         )
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        if not self.experts_reduced_by_ddp_twin:
+            super()._register_builtin_comm_hook(comm_hook_type)
+            return
         self.register_comm_hook(None, comm_hook_type)
 
     def _register_fused_optim(self, optim: type, *args: Any, **kwargs: Any) -> None:

@@ -244,6 +244,9 @@ def expert_parallel(
     optimizer = api.sonar_of(model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names(optimizer))
     wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped.experts_reduced_by_ddp_twin = (
+        False  # a comm hook reaches the dense gradients alone, as in EP's twin
+    )
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     return wrapped

@@ -58,19 +58,36 @@ def refuse_unfit_model(
             "before shard_experts_, or train it with sonar_fx.distributed.expert_parallel(model, cfg, "
             "shard=False, experts=[...])."
         )
-    problem = device_problem({p.device for p in model.parameters()}, dist.get_backend(group), _cuda_index())
+    devices = {p.device for p in model.parameters()}
+    # fully_shard moves parameters to its mesh's device itself (or offloads them to the CPU): only a
+    # model with no data yet is unfit for it.
+    problem = (
+        meta_problem(devices)
+        if fsdp_root
+        else device_problem(devices, dist.get_backend(group), _cuda_index())
+    )
     if problem is not None:
         raise SonarUsageError(f"{who}: {problem}")
 
 
-def device_problem(devices: set[torch.device], backend: str, cuda_index: int | None) -> str | None:
-    """Why parameters on `devices` cannot train under a process group of `backend` (`cuda_index`:
-    this process's current CUDA device, None without CUDA), with the fix; None when they can."""
+def meta_problem(devices: set[torch.device]) -> str | None:
+    """Parameters with no data yet (the meta device): Sonar trains the parameter objects it is given,
+    and materialising (`to_empty`) replaces them."""
     if any(d.type == "meta" for d in devices):
         return (
             "the model has parameters on the meta device. Materialise and load it first (model.to_empty("
             "device=...), then load_state_dict), then pass it."
         )
+    return None
+
+
+def device_problem(devices: set[torch.device], backend: str, cuda_index: int | None) -> str | None:
+    """Why parameters on `devices` cannot train under DDP (or expert parallelism's all-to-all) over a
+    process group of `backend` (`cuda_index`: this process's current CUDA device, None without CUDA),
+    with the fix; None when they can."""
+    problem = meta_problem(devices)
+    if problem is not None:
+        return problem
     if len(devices) > 1:
         shown = ", ".join(sorted(map(str, devices)))
         return (
