@@ -186,6 +186,31 @@ def unsynced_then_go_on(engine: str, rank: int, how: str, compiler: str = "eager
     return out
 
 
+def fsdp2_accumulation(rank: int) -> dict[str, Any]:
+    """FSDP2's own accumulation: the first micro-batch with `set_requires_gradient_sync(False)`, the
+    last with True. FSDP2 calls no hook until the synced backward, whose reduce-scatter holds both
+    micro-batches, so Sonar updates each expert once: exact against plain FSDP2's same loop."""
+    run, opt, model = build("fsdp2")
+    _accumulate(run, [opt], model, rank, twin=False)
+    twin = build_model("tiny-reference", seed=0)
+    sd.fully_shard_experts(twin)
+    _accumulate(twin, torch_optimizers(twin, ADAMW), twin, rank, twin=True)
+    return {"differ": differ(model, twin), "by_hook": opt.report()["updates_by_hook"]}
+
+
+def _accumulate(run: Any, optimizers: list[Any], model: Any, rank: int, *, twin: bool) -> None:
+    micro = batches(2 * STEPS, seed=1 + rank)
+    for step in range(STEPS):
+        for i, b in enumerate(micro[2 * step : 2 * step + 2]):
+            model.set_requires_gradient_sync(i == 1)
+            loss_of(run, b).backward()
+        if twin:
+            clip_("dense", model, ENGINES["fsdp2"], ADAMW.max_grad_norm)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+
+
 # ------------------------------------------------------------------- 5. the LR set after backward
 
 
@@ -285,6 +310,7 @@ def habits(rank: int) -> dict[str, Any]:
         out[f"no_sync/{engine}"] = unsynced_then_go_on(engine, rank, "no_sync")
         out[f"join/{engine}"] = join(engine, rank)
     out["flag/ddp"] = unsynced_then_go_on("ddp", rank, "flag")
+    out["accumulation/fsdp2"] = fsdp2_accumulation(rank)
     out["no_sync/ddp/aot_eager"] = unsynced_then_go_on("ddp", rank, "no_sync", compiler="aot_eager")
     for engine in ("ddp", "fsdp2"):
         out[f"lr/{engine}"] = lr_after_backward(engine, rank)

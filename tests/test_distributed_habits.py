@@ -78,6 +78,15 @@ def test_backward_under_no_sync_is_refused_before_any_tensor_moves(habits, label
 
 
 @pytest.mark.multiprocess
+def test_fsdp2_accumulation_by_its_sync_flag_equals_plain_fsdp2(habits):
+    """FSDP2's set_requires_gradient_sync(False) on the first micro-batch is not refused: FSDP2 hands
+    Sonar's hooks nothing until the synced backward, so each expert is updated once per step."""
+    for run in runs(habits, "accumulation/fsdp2"):
+        assert run["differ"] == [], run["differ"][:3]
+        assert run["by_hook"] == 2 * EXPERT_TENSORS  # once per step, not per micro-batch
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_lr_set_between_backward_and_step_is_refused_before_the_dense_step(habits, engine):
     for run in runs(habits, f"lr/{engine}"):
