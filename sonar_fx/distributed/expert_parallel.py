@@ -99,6 +99,9 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: d
 class ExpertParallelExperts(nn.Module):
     """This rank's El experts of one MoE layer, fed by all-to-all (see the module docstring)."""
 
+    holds_expert_shard = True
+    """This rank's share of the experts: a builder must not shard or reduce it again (`model_checks`)."""
+
     def __init__(
         self,
         gate_up_proj: Tensor,

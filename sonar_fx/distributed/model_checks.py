@@ -104,9 +104,9 @@ def device_problem(devices: set[torch.device], backend: str, cuda_index: int | N
 
 
 def _expert_parallel_modules(model: nn.Module) -> list[str]:
-    from sonar_fx.distributed.expert_parallel import ExpertParallelExperts  # it imports the builders
-
-    return [n for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
+    """Modules holding one rank's share of the experts (`ExpertParallelExperts` says so: this module
+    sits below the builders, which import it, so it asks rather than imports the class)."""
+    return [n for n, m in model.named_modules() if getattr(type(m), "holds_expert_shard", False)]
 
 
 def _cuda_index() -> int | None:
