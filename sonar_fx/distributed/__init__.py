@@ -8,10 +8,13 @@
 
 Each call sets the engine up so that an expert gradient reaches its in-backward update already
 reduced the way the engine would reduce it, and hands the optimizer the matching reduction
-(`reductions`). The engines' dense parameters train as the engine trains them.
+(`reductions`). The engines' dense parameters train as the engine trains them. A loop habit that
+would train otherwise than the plain engine (a comm hook, `no_sync()`, `join()`, a model already
+wrapped or sharded) is refused, naming the fix (`SonarDDP`, `reductions.refuse_unsynced`,
+`model_checks`).
 """
 
-from sonar_fx.distributed.ddp import broadcast_experts_, ddp, expert_names
+from sonar_fx.distributed.ddp import SonarDDP, broadcast_experts_, ddp, expert_names
 from sonar_fx.distributed.expert_parallel import (
     ExpertParallelExperts,
     combine,
@@ -29,6 +32,7 @@ __all__ = [
     "LocalExperts",
     "MeanAllReduce",
     "ShardedGrads",
+    "SonarDDP",
     "broadcast_experts_",
     "combine",
     "ddp",

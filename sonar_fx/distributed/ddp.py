@@ -8,12 +8,13 @@ only what it manages), and gives the optimizer a reduction that averages each ex
 ranks before its update: in the hook (eager), or in the backward graph (compiled; one graph, or the
 bucket-sized subgraphs of DDP's optimizer). Dense parameters keep DDP's normal path. It never changes
 the model's arithmetic: the result is bitwise equal to DDP + fused AdamW with dense-only clipping at
-world size 2 (see the README for larger worlds).
+world size 2 (see the README for larger worlds). The wrapper it returns (`SonarDDP`) refuses what
+would reach DDP's buckets and miss the experts: a communication hook, `join()` for uneven inputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import AsyncMeanAllReduce, MeanAllReduce
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
@@ -57,10 +59,7 @@ def ddp(
             "async_reduce=True is the eager hooks' overlap; compiled graphs overlap their all-reduce already "
             "(it is waited for just before the next expert's weight gradient). Drop one of the two."
         )
-    if isinstance(model, DistributedDataParallel):
-        raise SonarUsageError(
-            "sonar_fx.distributed.ddp wraps the model itself: pass the model before DistributedDataParallel."
-        )
+    refuse_unfit_model(model, "sonar_fx.distributed.ddp", group)
     reduction = AsyncMeanAllReduce(group) if async_reduce else MeanAllReduce(group)
     model = api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
@@ -70,10 +69,63 @@ def ddp(
     names = expert_names(optimizer)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     broadcast_experts_(optimizer, group)
-    wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     return wrapped
+
+
+class SonarDDP(DistributedDataParallel):
+    """The DDP wrapper `ddp` and `expert_parallel` return: DDP itself, refusing what would reach the
+    dense buckets and miss the experts, which Sonar reduces (or, under expert parallelism, exchanges)
+    outside DDP: a communication hook (under `ddp`) and the uneven-inputs `join()`. Each is refused
+    when it is called, before any gradient or weight moves."""
+
+    experts_reduced_by_ddp_twin = True
+    """The plain engine's DDP reduces the experts too (data parallelism), so a hook there reaches them;
+    under expert parallelism the plain engine keeps them out of DDP as Sonar does, and a hook on the
+    dense buckets is the same in both (`expert_parallel` sets False)."""
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        if not self.experts_reduced_by_ddp_twin:
+            super().register_comm_hook(state, hook)
+            return
+        raise SonarUsageError(
+            f"DDP.register_comm_hook({getattr(hook, '__name__', hook)!r}): a communication hook runs on "
+            "DDP's buckets, which hold the dense gradients only; Sonar reduces each expert gradient itself, "
+            "in its own dtype, inside backward, so the hook would apply to the dense gradients and not to "
+            "the experts (plain DDP applies it to every gradient). Train without the hook (for bf16 "
+            "communication, train the model in bf16)."
+        )
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        if not self.experts_reduced_by_ddp_twin:
+            super()._register_builtin_comm_hook(comm_hook_type)
+            return
+        self.register_comm_hook(None, comm_hook_type)
+
+    def _register_fused_optim(self, optim: type, *args: Any, **kwargs: Any) -> None:
+        raise SonarUsageError(
+            "DDP._register_fused_optim: Sonar's optimizer (wrapped.sonar) already updates the experts in "
+            "backward and the dense parameters at step(); a second optimizer in DDP's buckets would step "
+            "the dense parameters twice. Use wrapped.sonar alone."
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise SonarUsageError(_JOIN_REFUSED)
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        raise SonarUsageError(_JOIN_REFUSED)
+
+
+_JOIN_REFUSED = (
+    "DDP.join() (uneven inputs): a rank that runs out of batches shadows the all-reduces of DDP's buckets, "
+    "not the collectives Sonar runs for the experts (one all-reduce per expert tensor under DDP, the "
+    "all-to-alls of expert parallelism), so the ranks' collectives would mismatch: gloo aborts, NCCL can "
+    "hang. Refused before any rank joined. Give every rank the same number of batches (a "
+    "DistributedSampler with drop_last=True, or each rank's count cut to the smallest by an "
+    "all_reduce(MIN))."
+)
 
 
 def expert_names(optimizer: SonarOptimizer) -> list[str]:

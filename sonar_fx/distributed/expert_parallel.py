@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.distributed.ddp import expert_names
+from sonar_fx.distributed.ddp import SonarDDP, expert_names
+from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import LocalExperts
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, discover_experts
@@ -97,6 +98,9 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: d
 
 class ExpertParallelExperts(nn.Module):
     """This rank's El experts of one MoE layer, fed by all-to-all (see the module docstring)."""
+
+    holds_expert_shard = True
+    """This rank's share of the experts: a builder must not shard or reduce it again (`model_checks`)."""
 
     def __init__(
         self,
@@ -231,6 +235,7 @@ def expert_parallel(
     (`dispatch` and `combine` are never traced: their splits are data), and the graph of the local
     experts updates each one in its backward, where its gradient is already final on this rank."""
     group = require_process_group("sonar_fx.distributed.expert_parallel", process_group)
+    refuse_unfit_model(model, "sonar_fx.distributed.expert_parallel", group, expert_parallel=not shard)
     if shard:
         replaced = shard_experts_(model, group, experts)
         experts = None if experts is None else sharded_expert_names(replaced)  # the new modules' tensors
@@ -241,7 +246,10 @@ def expert_parallel(
     )  # fmt: skip
     optimizer = api.sonar_of(model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names(optimizer))
-    wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped.experts_reduced_by_ddp_twin = (
+        False  # a comm hook reaches the dense gradients alone, as in EP's twin
+    )
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     return wrapped

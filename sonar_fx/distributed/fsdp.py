@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
@@ -70,6 +71,7 @@ def fsdp2(
     gap = api.distributed_gap(opt_cfg, "fsdp2")
     if gap is not None:  # refused before the model is sharded
         raise SonarUsageError(gap[1] + ".")
+    refuse_unfit_model(model, "sonar_fx.distributed.fsdp2", fsdp_root=True)
     if not isinstance(model, FSDPModule):
         fully_shard_experts(model, experts=experts, **(fully_shard_kwargs or {}))
     warn_unless_own_groups(model, ExpertSet.discover(model, experts))

@@ -31,6 +31,7 @@ from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.expert_parallel import ExpertParallelExperts, shard_experts_, sharded_expert_names
 from sonar_fx.distributed.fsdp import unsharded_params, warn_unless_own_groups
+from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
@@ -84,6 +85,7 @@ def fsdp2_ep(
     Sonar up; its optimizer is `model.sonar`. `compiler` "aot_eager" / "inductor" compiles each block
     (the all-to-alls and FSDP2's collectives run between graphs; the hooks update, after FSDP2)."""
     require_process_group("sonar_fx.distributed.fsdp2_ep")
+    refuse_unfit_model(model, "sonar_fx.distributed.fsdp2_ep", fsdp_root=True)
     if not isinstance(model, FSDPModule):
         shard_fsdp2_ep(model, mesh, experts=experts, **(fully_shard_kwargs or {}))
         if experts is not None:  # the laid-out modules are new: name their tensors

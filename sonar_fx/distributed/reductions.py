@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,18 +75,50 @@ def split_norms(norms: Sequence[Tensor], experts: Sequence[bool]) -> tuple[Tenso
     return dense, total_norm([n for n, e in zip(norms, experts, strict=True) if e])
 
 
+class DenseWrapped(Protocol):
+    """A reduction whose dense parameters go through a DDP wrapper (DDP, expert parallelism)."""
+
+    wrapper: DistributedDataParallel | None
+    replaying: bool
+
+
 @contextmanager
-def without_reducer(wrapper: DistributedDataParallel | None, experts: list[Tensor]) -> Iterator[list[Tensor]]:
+def without_reducer(reduction: DenseWrapped, experts: list[Tensor]) -> Iterator[list[Tensor]]:
     """Pass 2 of expert_clip="global" under DDP: `no_sync`, so that its forward leaves the reducer
     unprepared; an expert-only backward would otherwise leave DDP waiting for dense gradients that
-    never come (the next forward raises). Dense gradients are pass 1's, reduced already."""
+    never come (the next forward raises). Dense gradients are pass 1's, reduced already. The
+    reduction is told (`replaying`), so that `refuse_unsynced` lets Sonar's own `no_sync` through."""
+    wrapper = reduction.wrapper
     if wrapper is None:
         raise SonarUsageError(
             "expert_clip='global' under DDP needs the DDP wrapper of the model, which sonar_fx.distributed."
             "ddp / expert_parallel record: build the model with them rather than a reduction by hand."
         )
-    with wrapper.no_sync():
-        yield experts
+    reduction.replaying = True
+    try:
+        with wrapper.no_sync():
+            yield experts
+    finally:
+        reduction.replaying = False
+
+
+def refuse_unsynced(name: str, reduction: DenseWrapped) -> None:
+    """Refuse an expert update in a backward DDP does not reduce: the last forward ran under
+    `no_sync()` or with `require_backward_grad_sync = False` (DDP decides at the forward and records
+    it in `require_forward_param_sync`). Called before the update, on every rank alike (the flag is
+    the user's, set the same on every rank), so nothing has moved when it raises."""
+    wrapper = reduction.wrapper
+    if wrapper is None or reduction.replaying or wrapper.require_forward_param_sync:
+        return
+    raise SonarUsageError(
+        f"{name}: this backward runs under DDP's no_sync() (or require_backward_grad_sync = False), so DDP "
+        "reduces no gradient in it, but Sonar updates each expert inside backward: it cannot keep a local "
+        "step local nor leave a micro-batch for later, and would train otherwise than DDP. Refused before "
+        "any weight moved. Run every backward with gradient sync and call step() after each; to "
+        "accumulate micro-batches, drop no_sync() and opt in with accumulation='per_microbatch' (one "
+        "expert update per micro-batch); schedule='deferred', the exact accumulation, runs in one process "
+        "only. Call optimizer.abandon_step() to drop this backward's dense gradients before going on."
+    )
 
 
 @dataclass
@@ -99,7 +131,10 @@ class MeanAllReduce:
     reduced_here: int = 0
     """Gradients this object all-reduced itself (hooks, or graphs compiled without the all-reduce)."""
     wrapper: DistributedDataParallel | None = None
-    """The DDP module of the dense parameters (set by `sonar_fx.distributed.ddp`), for `replay`."""
+    """The DDP module of the dense parameters (set by `sonar_fx.distributed.ddp`), for `replay` and
+    `refuse_unsynced`."""
+    replaying: bool = False
+    """Inside pass 2 of expert_clip="global" (`without_reducer`)."""
 
     @property
     def world_size(self) -> int:
@@ -114,6 +149,7 @@ class MeanAllReduce:
         return GraphReduce(self.group_name, self.world_size).tag
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
+        refuse_unsynced(name, self)
         if reduced == self.tag:
             update(grad)  # the graph averaged it already
             return
@@ -128,7 +164,7 @@ class MeanAllReduce:
         return total_norm(norms)  # every gradient is averaged: as in one process
 
     def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
-        return without_reducer(self.wrapper, experts)
+        return without_reducer(self, experts)
 
     def live_grads(self) -> list[Tensor]:
         """Expert gradients held between their reduction and their update (memory accounting)."""
@@ -166,6 +202,7 @@ class AsyncMeanAllReduce(MeanAllReduce):
     _task: int | None = None
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
+        refuse_unsynced(name, self)
         if reduced == self.tag:
             update(grad)
             return
@@ -260,13 +297,17 @@ class LocalExperts:
     in_graph: Literal["update", "all_reduce", "hooks"] = "update"
     group_name: str | None = None
     wrapper: DistributedDataParallel | None = None
-    """The DDP module of the dense parameters (set by `expert_parallel`), for `replay`."""
+    """The DDP module of the dense parameters (set by `expert_parallel`), for `replay` and
+    `refuse_unsynced`."""
+    replaying: bool = False
+    """Inside pass 2 of expert_clip="global" (`without_reducer`)."""
 
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
+        refuse_unsynced(name, self)
         if reduced:
             raise SonarUsageError(
                 f"{name}: expert-parallel experts are local to their rank; a graph all-reduced their "
@@ -284,7 +325,7 @@ class LocalExperts:
         return expert_parallel_norm(*split_norms(norms, experts), self.group)
 
     def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
-        return without_reducer(self.wrapper, experts)
+        return without_reducer(self, experts)
 
     def live_grads(self) -> list[Tensor]:
         return []

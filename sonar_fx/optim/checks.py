@@ -133,3 +133,34 @@ def refuse_unseen_grad_hooks(params: Iterable[Tensor], name_of: Callable[[Tensor
                 "the hook runs on the gradient before its update (exact), or remove the hook "
                 "(handle.remove()) and scale the loss instead."
             )
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings as an update reads them (every key but "params"); tensors copied, so
+    a value changed in place later is seen as changed."""
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in group.items() if k != "params"}
+
+
+def refuse_changed_hyperparameters(used: dict[str, Any], group: dict[str, Any]) -> None:
+    """The expert group's settings changed after this step's expert updates and before `step()` (the LR
+    set in `param_groups` right before `optimizer.step()`, as habit): the experts moved with the old
+    values and the dense tensors would move with the new ones. Raised before any dense tensor moves."""
+    now = hyperparameters(group)
+    changed = [k for k in sorted(used.keys() | now.keys()) if not _same(used.get(k), now.get(k))]
+    if not changed:
+        return
+    shown = ", ".join(f"{k}: {used.get(k)!r} -> {now.get(k)!r}" for k in changed[:3])
+    raise SonarUsageError(
+        f"the experts' param group changed between backward and step() ({shown}): Sonar updated the "
+        "experts inside backward with the old value, and the dense tensors would step with the new one. "
+        "Set the LR (or any setting) before the forward, e.g. at the top of the loop, or step a torch LR "
+        "scheduler after optimizer.step(); schedule='deferred' updates the experts at step() and takes a "
+        "value set after backward. The experts of this step already moved: call optimizer.abandon_step() "
+        "(or restore the last checkpoint) before going on; no dense tensor moved."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return bool(a == b)

@@ -6,7 +6,11 @@ that silently: the user's own `clip_grad_norm_` after backward (the dense gradie
 and a second `step()` after one backward (the dense tensors step twice, the experts once). A gradient
 written in place bumps its version counter, and a new `.grad` is a new tensor, so a snapshot of
 (tensor, version) tells both apart from a fresh gradient. Snapshots hold weak references: a gradient
-the user frees is not kept alive. It only looks; it never changes a gradient.
+the user frees is not kept alive. A DTensor gradient (FSDP2's shards) is the exception: its in-place ops
+run below autograd on its local tensor and bump no version counter, so its snapshot also keeps the
+norm of its local shard (one norm pass over this rank's dense shards per backward), and a gradient
+whose shard norm differs at `step()` was written (a write that changes no value, e.g. a clip by 1.0,
+changes no training either). It only looks; it never changes a gradient.
 """
 
 from __future__ import annotations
@@ -14,15 +18,38 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 Snapshot = dict[int, tuple["weakref.ref[Tensor]", int]]
 """id(param) -> (weak reference to its .grad, that gradient's version counter)."""
+ShardNorms = dict[int, Tensor]
+"""id(param) -> the norm of its DTensor gradient's local shard."""
 
 
 def snapshot(params: Sequence[Tensor]) -> Snapshot:
     """The current gradient of every param that has one."""
     return {id(p): (weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None}
+
+
+def shard_norms(params: Sequence[Tensor]) -> ShardNorms:
+    """The local shard norm of every DTensor gradient (none: no DTensor gradient)."""
+    sharded = [p for p in params if p.grad is not None and hasattr(p.grad, "_local_tensor")]
+    if not sharded:
+        return {}
+    norms = torch._foreach_norm([p.grad._local_tensor for p in sharded])  # type: ignore[union-attr]
+    return dict(zip(map(id, sharded), norms, strict=True))
+
+
+def rewritten(params: Sequence[Tensor], before: ShardNorms) -> list[Tensor]:
+    """Params whose DTensor gradient's shard norm is not the one in `before` (one comparison)."""
+    now = shard_norms(params)
+    common = [p for p in params if id(p) in now and id(p) in before]
+    if not common:
+        return []
+    a, b = torch.stack([now[id(p)] for p in common]), torch.stack([before[id(p)] for p in common])
+    differs = ~((a == b) | (a.isnan() & b.isnan()))  # a NaN gradient unwritten is not "changed"
+    return [p for p, d in zip(common, differs.tolist(), strict=True) if d]
 
 
 def same(param: Tensor, shot: Snapshot) -> bool:
@@ -42,12 +69,14 @@ class DenseGradWatch:
     def __init__(self) -> None:
         self.after_backward: Snapshot | None = None
         self.after_step: Snapshot = {}
+        self.shards_after_backward: ShardNorms = {}
 
     def backward_finished(self, params: Sequence[Tensor]) -> None:
         self.after_backward = snapshot(params)
+        self.shards_after_backward = shard_norms(params)
 
     def step_finished(self, params: Sequence[Tensor]) -> None:
-        self.after_step, self.after_backward = snapshot(params), None
+        self.after_step, self.after_backward, self.shards_after_backward = snapshot(params), None, {}
 
     def changed_since_backward(self, params: Sequence[Tensor]) -> list[Tensor]:
         """Dense tensors whose gradient was written or replaced after the last backward ended (none
@@ -55,7 +84,10 @@ class DenseGradWatch:
         shot = self.after_backward
         if shot is None:
             return []
-        return [p for p in params if p.grad is not None and not same(p, shot)]
+        replaced = [p for p in params if p.grad is not None and not same(p, shot)]
+        gone = set(map(id, replaced))
+        kept = [p for p in params if id(p) not in gone]
+        return replaced + rewritten(kept, self.shards_after_backward)
 
     def stale(self, params: Sequence[Tensor]) -> bool:
         """Every dense gradient present is the one the last `step()` already applied (and at least one

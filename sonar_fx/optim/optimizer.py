@@ -27,7 +27,14 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.optim import added_groups, deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
+from sonar_fx.optim.checks import (
+    check_tensor,
+    hyperparameters,
+    refuse_changed_grads,
+    refuse_changed_hyperparameters,
+    refuse_second_step,
+    refuse_unsupported,
+)
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.group_checks import refuse_before_update, refuse_group_edits
@@ -148,6 +155,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
+        # id(group) -> (an expert param group, its settings at this step's last update from it)
+        self._expert_hyperparameters: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
         self._names = self.experts.names_by_id()
         self._index_params()
@@ -334,6 +343,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         else:  # the ablation: one kernel call per expert slice
             calls = self.expert_rule.update_slices_(param, g, state, group, found_inf=found_inf)
         self.tracker.record(name)
+        self._expert_hyperparameters[id(group)] = (group, hyperparameters(group))
         self.stats.record_update(name, path, calls=calls)
 
     def backward_began(self) -> None:
@@ -345,7 +355,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Autograd runs this when a backward that updated experts (or began at the model's outputs)
         ends; never when it raised."""
         self.tracker.backward_finished()
-        self.grad_watch.backward_finished(self._dense)
+        if self.distributed is None:
+            self.grad_watch.backward_finished(self._dense)
+        else:  # an engine writes the reduced dense gradients in its own end-of-backward callback: after it
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.grad_watch.backward_finished(self._dense)
+            )
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -371,6 +386,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         if self.clipper.skip_step:  # skipped by backward() (expert_clip="global", nonfinite="skip")
             self.end_step()
             return
+        if self.tracker.updated:  # the experts stepped with the values of their updates: so must the dense
+            for group, used in self._expert_hyperparameters.values():
+                refuse_changed_hyperparameters(used, group)
         self.dense_step()
         self.end_step()
 
@@ -410,8 +428,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def _refuse_changed_grads(self) -> None:
         """Dense gradients written after backward (a clip of the user's own) while Sonar clips: refused
         before any dense tensor moves (`grad_watch`); after the non-finite check, which names a NaN."""
-        # Distributed engines may rewrite dense gradients after backward's end (DDP's reducer): unwatched.
-        if self.cfg.clips and self.distributed is None:
+        if self.cfg.clips:
             changed = self.grad_watch.changed_since_backward(self._dense)
             if changed:
                 refuse_changed_grads(
@@ -467,6 +484,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """What every end of a step, completed or abandoned, clears."""
         self.steps_ended += 1
         self._fresh.clear()
+        self._expert_hyperparameters.clear()
         self.nonfinite_policy.flags.clear()
         self.tracker.reset()
 
