@@ -285,7 +285,14 @@ class SonarOptimizer(torch.optim.Optimizer):
                 f"schedule={self.schedule!r} (a graph dynamo reused across models of one class). Prepare "
                 "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
             )
-        self.deferred.add(param, name, recipe, operands)
+        if deferred.wanted_by_this_backward(param, name):  # plain torch would accumulate into it
+            self.deferred.add(param, name, recipe, operands)
+
+    def keep_whole_(self, param: Tensor) -> None:
+        """The deferred schedule's hook: `param.grad`, arrived whole, moved to its kept contributions."""
+        grad, param.grad = param.grad, None  # .grad empty for the next backward's contributions
+        assert grad is not None
+        self.deferred.add_whole(param, self.expert_name(param), grad)
 
     def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
         """The deferred step's `check_tensor` (fp16 weights allowed: the update waits for `step()`)."""
