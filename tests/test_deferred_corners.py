@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -42,6 +42,8 @@ class Side:
     model: nn.Module
     step: Callable[[], None]
     zero_grad: Callable[[], None]
+    norms: list[torch.Tensor]
+    """The total norm each step's clip returned (the loop's own clip: `clip="user"`)."""
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.run(**batch).loss
@@ -53,15 +55,37 @@ class Side:
         return [p for n, p in self.model.named_parameters() if ".experts." not in n]
 
 
-def sides(compiler: str, dtype: torch.dtype, clip: str = "all"):
-    model, opt, twin_model, twin = pair(compiler, dtype, clip)
+def sides(compiler: str, dtype: torch.dtype, clip: str = "all") -> tuple[Side, Side]:
+    """Sonar and plain torch, both clipping over every parameter before each step: Sonar by its config
+    (`clip="all"`: max_grad_norm, expert_clip="global"), or by the loop (`clip="user"`:
+    `model.sonar.clip_grad_norm_`, Sonar's own clip off); plain torch by `clip_grad_norm_`."""
+    if clip == "user":
+        model, twin_model, twin = clip_off_pair(compiler, dtype)
+    else:
+        model, _, twin_model, twin = pair(compiler, dtype, clip)
+    opt, ours, theirs = model.sonar, [], []
+
+    def sonar_step() -> None:
+        if clip == "user":
+            ours.append(opt.clip_grad_norm_(MAX_NORM))
+        opt.step()
 
     def twin_step() -> None:
-        twin.clip_()
+        theirs.append(torch.nn.utils.clip_grad_norm_(twin.all, MAX_NORM))
         twin.opt.step()
 
-    sonar = Side(model, model, opt.step, opt.zero_grad)
-    return sonar, Side(twin.run, twin_model, twin_step, twin.opt.zero_grad)
+    sonar = Side(model, model, sonar_step, opt.zero_grad, ours)
+    return sonar, Side(twin.run, twin_model, twin_step, twin.opt.zero_grad, theirs)
+
+
+def clip_off_pair(compiler: str, dtype: torch.dtype):
+    """Sonar's own clip off (max_grad_norm=None): the loop clips."""
+    model = build_model("tiny-olmoe", dtype=dtype, seed=0)
+    twin_model = copy.deepcopy(model)
+    cfg = replace(cfg_for("all"), max_grad_norm=None, expert_clip=None)
+    sonar_fx.compile(model, cfg, compiler=compiler, schedule="deferred")
+    names = {model.sonar.expert_name(p) for p in model.sonar.expert_group["params"]}
+    return model, twin_model, Twin(twin_model, names, "all", compiler)
 
 
 def run_both(program: Callable[[Side], None], compiler: str, dtype: torch.dtype, clip: str = "all"):
@@ -139,6 +163,74 @@ def test_a_weight_read_outside_its_gemm_joins_the_ordered_sum(dtype):
     assert all(p.grad is None for p in sonar.experts())
 
 
+# 2 --------------------------------------------- kept gradients live as long as the gradients they are
+
+
+def zeroings(side: Side) -> None:
+    """A backward whose step the loop skips then `model.zero_grad()` (of either kind), a dense `.grad`
+    dropped by hand, and a backward dropped by `optimizer.zero_grad()` with no step."""
+    data = batches(8)
+    for s, set_to_none in enumerate((True, False)):
+        a, b, c = data[3 * s : 3 * s + 3]
+        side.loss(a).backward()  # a loss spike: the loop skips its step
+        side.model.zero_grad(set_to_none=set_to_none)
+        side.loss(b).backward()
+        side.dense()[0].grad = None  # one dense gradient dropped by hand: the experts keep theirs
+        side.loss(c).backward()
+        side.step()
+        side.zero_grad()
+    side.loss(data[6]).backward()  # a diagnostic backward, dropped by the optimizer's zero_grad
+    side.zero_grad()
+    side.loss(data[7]).backward()
+    side.step()
+    side.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zeroing_drops_the_kept_gradients_as_torch_drops_grad(dtype):
+    sonar, plain = run_both(zeroings, "eager", dtype)
+    assert_same_weights(sonar.model, plain.model)
+    assert sonar.model.sonar.deferred.kept == {}
+
+
+def _moved(model: nn.Module, before: list[torch.Tensor]) -> list[str]:
+    return [n for (n, p), b in zip(model.named_parameters(), before, strict=True) if not torch.equal(p, b)]
+
+
+def _refused_step(sonar: Side, match: str) -> None:
+    before = [p.detach().clone() for p in sonar.model.parameters()]
+    with pytest.raises(sonar_fx.SonarUsageError, match=match):
+        sonar.step()
+    assert _moved(sonar.model, before) == []
+
+
+def test_a_zeroing_sonar_did_not_see_is_refused():
+    """A wrapper's zero_grad resets the dense gradients only (the experts' are kept, not in .grad):
+    refused at step, before any weight moves, naming the zero_grad that drops both."""
+    sonar, _ = sides("eager", torch.float32)
+    wrapper = nn.ModuleList([sonar.model])
+    a, b = batches(2)
+    sonar.loss(a).backward()
+    wrapper.zero_grad()
+    sonar.loss(b).backward()
+    _refused_step(sonar, r"reset after a backward.*optimizer\.zero_grad\(\)")
+    sonar.zero_grad()  # the fix: then the next step trains
+    sonar.loss(b).backward()
+    sonar.step()
+
+
+def test_no_zero_grad_between_steps_and_a_second_step_are_refused():
+    """torch adds the next step's gradients to the last step's (or applies them again): the experts'
+    were freed by the last step, so both are refused before any weight moves."""
+    sonar, _ = sides("eager", torch.bfloat16)
+    a, b = batches(2)
+    sonar.loss(a).backward()
+    sonar.step()
+    _refused_step(sonar, r"no zero_grad\(\) since the last step\(\)")
+    sonar.loss(b).backward()
+    _refused_step(sonar, r"no zero_grad\(\) since the last step\(\)")
+
+
 # 3 ------------------------------------------- a backward that plain torch never takes to the experts
 
 
@@ -162,28 +254,35 @@ def test_inputs_and_autograd_grad_keep_nothing_for_the_experts(dtype):
     assert_same_weights(sonar.model, plain.model)
 
 
-def every_habit(side: Side) -> None:
-    several_forwards(side)
-    penalized(side)
-    partial_backwards(side)
-
-
-@pytest.mark.parametrize("dtype", COMPILED_DTYPES)
-def test_compiled_every_habit_as_autograd(dtype):
-    """Under aot_eager (one compile per side, so the three programs run in a row): the same bits."""
-    with pytest.warns(UserWarning, match="whole"):
-        sonar, plain = run_both(every_habit, "aot_eager", dtype)
-    assert_same_weights(sonar.model, plain.model)
-    assert sonar.model.sonar.report()["updates_deferred"] == 4 * 6
-
-
 def test_autograd_grad_of_an_expert_tensor_is_refused():
+    """Its gradient exists only at step(): refused in that backward, before any weight moves."""
     sonar, _ = sides("eager", torch.float32)
     before = [p.detach().clone() for p in sonar.model.parameters()]
     with pytest.raises(sonar_fx.SonarUsageError, match=r"autograd\.grad\(\) of an expert tensor"):
         torch.autograd.grad(sonar.loss(batches(1)[0]), sonar.experts()[:1])
-    sonar.step()
-    assert all(torch.equal(a, p) for a, p in zip(before, sonar.model.parameters(), strict=True))
+    assert _moved(sonar.model, before) == []
+
+
+def every_habit(side: Side) -> None:
+    several_forwards(side)
+    penalized(side)
+    partial_backwards(side)
+    zeroings(side)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "clip"),
+    [pytest.param(torch.float32, "all", marks=COMPILED_FP32), (torch.bfloat16, "user")],
+)
+def test_compiled_every_habit_as_autograd(dtype, clip):
+    """Under aot_eager (one compile per side, so the programs run in a row), clipped by Sonar's config
+    (fp32) or by `model.sonar.clip_grad_norm_` (bf16): the same bits, and the same norms returned."""
+    with pytest.warns(UserWarning, match="whole"):
+        sonar, plain = run_both(every_habit, "aot_eager", dtype, clip)
+    assert_same_weights(sonar.model, plain.model)
+    assert sonar.model.sonar.report()["updates_deferred"] == 4 * 9
+    if clip == "user":
+        assert len(sonar.norms) == 9 and all(map(torch.equal, sonar.norms, plain.norms))
 
 
 # 4 ---------------------------------------------------------------- one norm, as torch groups it
@@ -242,3 +341,126 @@ def test_fp32_dense_with_bf16_experts_clips_by_torchs_norm(schedule):
     assert ours == theirs
     assert all(t > MAX_NORM for t in theirs)
     assert_same_weights(model, twin_model)
+
+
+# issue 38 --------------------------------------------- the user's own clip under the deferred schedule
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sonar_clip_grad_norm_is_torchs_over_every_parameter(dtype):
+    """`model.sonar.clip_grad_norm_` between the last backward and step(), 2 micro-batches: the norm
+    it returns is torch's `clip_grad_norm_(model.parameters())`'s, bitwise, and the step clips by it
+    (aot_eager: `test_compiled_every_habit_as_autograd`)."""
+    model, twin_model, twin = clip_off_pair("eager", dtype)
+    data = batches(6)
+    for s in range(3):
+        for b in data[2 * s : 2 * s + 2]:
+            model(**b).loss.backward()
+            twin.run(**b).loss.backward()
+        ours = model.sonar.clip_grad_norm_(MAX_NORM)
+        theirs = torch.nn.utils.clip_grad_norm_(twin_model.parameters(), MAX_NORM)
+        assert torch.equal(ours, theirs) and theirs > MAX_NORM
+        model.sonar.step()
+        model.sonar.zero_grad()
+        twin.opt.step()
+        twin.opt.zero_grad()
+    assert_same_weights(model, twin_model)
+    assert model.sonar.report()["deferred"]["kept_whole"] == []
+
+
+def test_torchs_own_clip_under_the_deferred_schedule_is_refused():
+    """It cannot see the expert gradients (they do not exist before step()): refused at step() before
+    any weight moves, with Sonar's clip off, naming model.sonar.clip_grad_norm_."""
+    model, _, _ = clip_off_pair("eager", torch.float32)
+    model(**batches(1)[0]).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"model\.sonar\.clip_grad_norm_\(max_norm\)"):
+        model.sonar.step()
+    assert _moved(model, before) == []
+
+
+def accelerate_loop(model: nn.Module, opt: torch.optim.Optimizer, clip: Callable[..., Any]) -> list[Any]:
+    """accelerate's accumulation loop (2 micro-batches per step), clipping on the syncing micro-batch."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    norms = []
+    for b in batches(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**b).loss)
+            if accelerator.sync_gradients:
+                norms.append(clip(accelerator, model))
+            opt.step()
+            opt.zero_grad()
+    return norms
+
+
+def test_accelerate_accumulation_with_sonars_clip_is_exact_and_its_own_clip_refused():
+    model, twin_model, twin = clip_off_pair("eager", torch.float32)
+    ours = accelerate_loop(model, model.sonar, lambda acc, m: m.sonar.clip_grad_norm_(MAX_NORM))
+    theirs = accelerate_loop(
+        twin_model, twin.opt, lambda acc, m: acc.clip_grad_norm_(m.parameters(), MAX_NORM)
+    )
+    assert len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert_same_weights(model, twin_model)
+    model, _, _ = clip_off_pair("eager", torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(sonar_fx.SonarUsageError, match=r"accelerate's"):
+        accelerate_loop(model, model.sonar, lambda acc, m: acc.clip_grad_norm_(m.parameters(), MAX_NORM))
+    assert _moved(model, before) == []
+
+
+# 5 ------------------------------------------------------------------- frozen dense tensors
+
+
+def frozen(model: nn.Module, names: Callable[[str], bool]) -> None:
+    for n, p in model.named_parameters():
+        if names(n):
+            p.requires_grad_(False)
+
+
+def test_a_frozen_layer_before_the_experts_still_defers_their_gradient():
+    """The first block's input to its experts needs no gradient (embedding and attention frozen): the
+    eager capture still keeps the operands (it used to leave the gradient whole, and blame the compiler)."""
+    sonar, plain = sides("eager", torch.float32)
+    for side in (sonar, plain):
+        frozen(
+            side.model, lambda n: n.startswith(("model.embed_tokens", "model.layers.0.")) and "mlp" not in n
+        )
+    several_forwards(sonar)
+    several_forwards(plain)
+    assert_same_weights(sonar.model, plain.model)
+    assert sonar.model.sonar.report()["deferred"]["kept_whole"] == []
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=COMPILED_FP32)])
+def test_every_dense_tensor_frozen_under_a_grad_scaler_trains_exactly(compiler):
+    """No dense gradient at all: torch's GradScaler.step asserts it checked some gradient before it calls
+    the optimizer's step. One expert gradient is shown in .grad at the end of each backward for it to
+    check (and unscale); 2 micro-batches per step, a scale that overflows on some steps."""
+    model, opt, twin_model, twin = pair(compiler, torch.float32, "all")
+    for m in (model, twin_model):
+        frozen(m, lambda n: ".experts." not in n)
+    kw = dict(init_scale=2.0**8, growth_factor=2.0**40, backoff_factor=2.0**-40, growth_interval=1)
+    ours, theirs = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    data, scales = batches(8), []
+    for s in range(4):
+        for b in data[2 * s : 2 * s + 2]:
+            ours.scale(model(**b).loss).backward()
+            theirs.scale(twin.run(**b).loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+        theirs.unscale_(twin.opt)
+        twin.clip_()
+        theirs.step(twin.opt)
+        theirs.update()
+        twin.opt.zero_grad()
+        scales.append((ours.get_scale(), theirs.get_scale()))
+    assert all(a == b for a, b in scales) and len({a for a, _ in scales}) > 1, scales
+    assert_same_weights(model, twin_model)
+    assert opt.report()["deferred"]["kept_whole"] == []

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.optim import global_clip
+from sonar_fx.optim import deferred_loop, global_clip
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
@@ -164,6 +164,12 @@ class DeferredGrads:
         self._contribute(param, name, grad)
         self.note_whole([name])
 
+    def add_accumulated(self, param: Tensor, grad: Tensor) -> None:
+        """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
+        pending = self.kept.setdefault(id(param), _Pending(param))
+        pending.closed.insert(0, [grad])
+        self._grow(_entry_bytes(grad))
+
     def _contribute(self, param: Tensor, name: str, entry: Entry) -> None:
         pending = self.kept.get(id(param))
         if pending is None:
@@ -225,10 +231,10 @@ class DeferredGrads:
         return id(param) in self.kept or param.grad is not None
 
     def arrived_whole(self, param: Tensor) -> bool:
-        """`param`'s gradient came whole (in `.grad`, or taken from it): no operands were kept for it."""
+        """`param`'s gradient came whole (taken from `.grad` in backward): no operands were kept for it."""
         pending = self.kept.get(id(param))
-        if pending is None:
-            return param.grad is not None
+        if pending is None:  # a gradient in `.grad` at the step was shown there for a GradScaler
+            return False
         return not pending.folded and all(not isinstance(e, _Kept) for g in pending.groups() for e in g)
 
     def entries(self) -> list[_Kept]:
@@ -286,12 +292,13 @@ def _weight_view(t: Tensor) -> _WeightView:
     return _WeightView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
 
-class SonarOptimizer(global_clip.Optimizer, Protocol):
+class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protocol):
     """What the deferred step reads and calls of `SonarOptimizer` (which imports this module)."""
 
     cfg: OptimizerConfig
     clipper: ExpertClipper
     deferred: DeferredGrads
+    loop: deferred_loop.DeferredLoop
     param_groups: list[dict[str, Any]]
     meter: ExpertGradMeter
     nonfinite_policy: NonFinitePolicy
@@ -319,6 +326,7 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
         opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped
     scaler = scaler_step(opt)
+    deferred_loop.refuse_before_step(opt, scaled=scaler is not None)
     # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
     # unscaled and checked them: unscaling it again would divide it by the scale twice.
     unscaled = {id(p) for p in experts if p.grad is not None} if scaler is not None else set()
@@ -338,6 +346,8 @@ def step(opt: SonarOptimizer) -> None:
             experts = [] if _skip_for_experts(opt) else experts
         if clip_all:
             opt.clipper.backward_pass = "update"  # the expert updates clip by the global coefficient
+    if opt.loop.clip is not None:  # model.sonar.clip_grad_norm_: its norms and coefficient, recorded
+        opt.clipper.coef, opt.clipper.backward_pass = opt.loop.clip.coef, "update"
     skipped = opt.clipper.skip_step
     opt.dense_step()
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen

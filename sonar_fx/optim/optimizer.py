@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
-from sonar_fx.optim import deferred, global_clip, lowbit
+from sonar_fx.optim import deferred, deferred_loop, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
 from sonar_fx.optim.deferred import DeferredGrads
@@ -140,6 +140,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.grad_watch = DenseGradWatch()
         self.meter = ExpertGradMeter()
         self.deferred = DeferredGrads()
+        self.loop = deferred_loop.DeferredLoop()  # what the loop did to gradients, for the deferred step
         self.steps_ended = 0
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
@@ -327,6 +328,8 @@ class SonarOptimizer(torch.optim.Optimizer):
     def backward_began(self) -> None:
         """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
         self.tracker.backward_began()
+        if self.schedule == "deferred":
+            deferred_loop.backward_began(self)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
@@ -334,6 +337,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         ends; never when it raised."""
         self.tracker.backward_finished()
         self.grad_watch.backward_finished(self._dense)
+        if self.schedule == "deferred":
+            deferred_loop.backward_finished(self)
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -437,12 +442,19 @@ class SonarOptimizer(torch.optim.Optimizer):
         """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
         super().zero_grad(set_to_none)
         self.deferred.clear()
+        self.loop.zero_grad()
 
     def end_step(self) -> None:
         self._end_step()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over every parameter, the experts included (the deferred
+        schedule; `sonar_fx.optim.deferred_loop`): returns torch's total norm, bitwise."""
+        return deferred_loop.clip_grad_norm_(self, max_norm, norm_type)
+
     def _end_step(self) -> None:
         self.grad_watch.step_finished(self._dense)
+        self.loop.step_finished(self._dense)
         self.saving.end_step(
             compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
             fallbacks=self.stats.fallbacks,
