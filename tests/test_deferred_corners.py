@@ -163,6 +163,23 @@ def test_a_weight_read_outside_its_gemm_joins_the_ordered_sum(dtype):
     assert all(p.grad is None for p in sonar.experts())
 
 
+def test_the_norm_pass_leaves_the_kept_gradients_as_they_were():
+    """`gradient(consume=False)` (the norm pass) computes the same bits as the update pass after it,
+    where the second of two backwards mixes whole gradients and kept operands (a penalty and two
+    forwards: they cross over at once)."""
+    sonar, _ = sides("eager", torch.float32)
+    a, b, c = batches(3, seq=8)
+    sonar.loss(c).backward()
+    with pytest.warns(UserWarning, match="whole"):
+        penalty = sum(w.pow(2).sum() for w in sonar.experts())
+        (sonar.loss(a) + sonar.loss(b) + penalty).backward()
+    store = sonar.model.sonar.deferred
+    for p in sonar.experts():
+        norm_pass = [store.gradient(p, consume=False) for _ in range(2)]
+        assert torch.equal(norm_pass[0], norm_pass[1])
+        assert torch.equal(norm_pass[0], store.gradient(p, consume=True))
+
+
 # 2 --------------------------------------------- kept gradients live as long as the gradients they are
 
 

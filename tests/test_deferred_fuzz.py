@@ -81,6 +81,7 @@ def run(seed: int, dtype: torch.dtype) -> str:
     return "exact"
 
 
+@pytest.mark.filterwarnings("ignore:sonar. schedule='deferred' kept")  # the penalty's, said per model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_random_loop_programs_are_bitwise_or_refused(dtype):
     torch._dynamo.reset()

@@ -123,7 +123,7 @@ def _accumulate(groups: list[list[Entry]], param: Tensor, *, own: bool) -> Tenso
     """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added."""
     total = None
     for group in groups:
-        part = _sum(group, param, own=own or total is not None)
+        part = _sum(group, param, own=own)
         if part is None:
             continue
         if total is None:
@@ -157,9 +157,12 @@ class DeferredGrads:
         nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in own}.values())
         self._contribute(param, name, _Kept(recipe, kept, nbytes))
 
-    def add_whole(self, param: Tensor, name: str, grad: Tensor) -> None:
-        """A gradient of `param` that arrived whole in this backward (autograd put it in `.grad`, which
-        the caller then emptied): it joins the backward's sum where it arrived, and is said once."""
+    def add_whole(self, param: Tensor, name: str) -> None:
+        """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
+        the next backward's contributions then find empty, into this backward's sum where it arrived;
+        said once."""
+        grad, param.grad = param.grad, None
+        assert grad is not None
         self.whole.add(name)
         self._contribute(param, name, grad)
         self.note_whole([name])

@@ -86,6 +86,8 @@ def backward_began(opt: LoopOptimizer) -> None:
     """A backward reached the model's outputs: a reset of every dense gradient since the last backward
     is noted (refused at `step()`), and a gradient shown in `.grad` goes back to the kept ones, first,
     so that this backward's contributions are added to it as AccumulateGrad adds them."""
+    if opt.schedule != "deferred":
+        return
     loop, store = opt.loop, opt.deferred
     if store.kept and loop.after_backward and not _survivors(opt.dense_params(), loop.after_backward):
         loop.unseen_reset = True
@@ -100,6 +102,8 @@ def backward_finished(opt: LoopOptimizer) -> None:
     gradient is computed now and shown in `.grad`: a GradScaler's `step()` asserts that it checked at
     least one gradient before it calls ours ("No inf checks were recorded"), and this one it unscales
     and checks itself; the step computes it no more. One expert gradient alive until `step()`."""
+    if opt.schedule != "deferred":
+        return
     opt.loop.after_backward = _identities(opt.dense_params())
     if any(p.grad is not None for group in opt.param_groups for p in group["params"]):
         return

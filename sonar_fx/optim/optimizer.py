@@ -291,9 +291,7 @@ class SonarOptimizer(torch.optim.Optimizer):
 
     def keep_whole_(self, param: Tensor) -> None:
         """The deferred schedule's hook: `param.grad`, arrived whole, moved to its kept contributions."""
-        grad, param.grad = param.grad, None  # .grad empty for the next backward's contributions
-        assert grad is not None
-        self.deferred.add_whole(param, self.expert_name(param), grad)
+        self.deferred.add_whole(param, self.expert_name(param))
 
     def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
         """The deferred step's `check_tensor` (fp16 weights allowed: the update waits for `step()`)."""
@@ -328,8 +326,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def backward_began(self) -> None:
         """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
         self.tracker.backward_began()
-        if self.schedule == "deferred":
-            deferred_loop.backward_began(self)
+        deferred_loop.backward_began(self)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
@@ -337,8 +334,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         ends; never when it raised."""
         self.tracker.backward_finished()
         self.grad_watch.backward_finished(self._dense)
-        if self.schedule == "deferred":
-            deferred_loop.backward_finished(self)
+        deferred_loop.backward_finished(self)
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
