@@ -18,6 +18,7 @@ from torch import nn
 
 import sonar_fx
 from sonar_fx.models import build_model
+from sonar_fx.models.tiny import enable_activation_checkpointing
 from sonar_fx.optim.norms import total_norm
 
 from helpers import assert_same_weights, batches, known_library_failure
@@ -115,6 +116,17 @@ def test_several_forwards_per_backward_accumulate_as_autograd(dtype):
     assert_same_weights(sonar.model, plain.model)
     report = sonar.model.sonar.report()
     assert report["deferred"]["kept_whole"] == [] and report["updates_deferred"] == 8
+
+
+def test_reentrant_checkpointing_accumulates_each_nested_backward_on_its_own():
+    """Reentrant checkpointing runs each block's backward as a nested graph task whose AccumulateGrad
+    adds to `.grad` at once: the kept gradients are grouped by graph task, so the same sums."""
+    sonar, plain = sides("eager", torch.float32)
+    for side in (sonar, plain):
+        assert enable_activation_checkpointing(side.model, {"use_reentrant": True})
+    several_forwards(sonar)
+    several_forwards(plain)
+    assert_same_weights(sonar.model, plain.model)
 
 
 def test_negative_control_one_sum_over_every_kept_gradient_differs():
@@ -252,14 +264,16 @@ def test_no_zero_grad_between_steps_and_a_second_step_are_refused():
 
 
 def partial_backwards(side: Side) -> None:
-    """Per step: a side `autograd.grad` of the embedding, a backward limited to the dense tensors, and
-    an ordinary backward."""
+    """Per step: a side `autograd.grad` of the embedding, a backward limited to the dense tensors, one
+    through a graph cut by `detach` before the head, and an ordinary backward."""
     data = batches(6)
     embed = side.model.get_input_embeddings().weight
     for s in range(2):
         a, b, c = data[3 * s : 3 * s + 3]
         torch.autograd.grad(side.loss(a), [embed])
         side.loss(b).backward(inputs=side.dense())
+        hidden = side.model.model(input_ids=a["input_ids"]).last_hidden_state.detach()  # a graph cut
+        side.model.lm_head(hidden).float().pow(2).mean().backward()
         side.loss(c).backward()
         side.step()
         side.zero_grad()

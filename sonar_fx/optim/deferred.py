@@ -139,7 +139,8 @@ class DeferredGrads:
 
     kept: dict[int, _Pending] = field(default_factory=dict)
     live_bytes: int = 0
-    """Bytes kept now (storage bytes: a kept view keeps its whole storage), whole gradients included."""
+    """Bytes kept now (storage bytes: a kept view keeps its whole storage): operands, and the gradients
+    kept whole (arrived whole, or crossed over), which standard training would hold in `.grad`."""
     peak_bytes: int = 0
     """The most kept at once since the last `end_step`."""
     last_peak_bytes: int | None = None
@@ -245,9 +246,10 @@ class DeferredGrads:
         return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
 
     def gradient(self, param: Tensor, *, consume: bool) -> Tensor | None:
-        """`param`'s gradient for the step: `.grad` (put there by someone else than a backward), then each
-        backward's sum accumulated in order. `consume`: drop the contributions and `.grad` (the update
-        pass); else they stay and the result is a new tensor (the norm pass)."""
+        """`param`'s gradient for the step: `.grad` (the backwards so far, shown there for a GradScaler
+        by `deferred_loop.backward_finished`), then each backward's sum accumulated in order.
+        `consume`: drop the contributions and `.grad` (the update pass); else they stay and the result
+        is a new tensor (the norm pass)."""
         pending = self.kept.pop(id(param), None) if consume else self.kept.get(id(param))
         groups = pending.groups() if pending is not None else []
         grad = param.grad
