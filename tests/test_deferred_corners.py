@@ -430,14 +430,16 @@ def accelerate_loop(model: nn.Module, opt: torch.optim.Optimizer, clip: Callable
     return norms
 
 
-def test_accelerate_accumulation_with_sonars_clip_is_exact_and_its_own_clip_refused():
-    model, twin_model, twin = clip_off_pair("eager", torch.float32)
+@pytest.mark.parametrize(("compiler", "dtype"), [("eager", torch.float32), ("aot_eager", torch.bfloat16)])
+def test_accelerate_accumulation_with_sonars_clip_is_exact(compiler, dtype):
+    model, twin_model, twin = clip_off_pair(compiler, dtype)
     ours = accelerate_loop(model, model.sonar, lambda acc, m: m.sonar.clip_grad_norm_(MAX_NORM))
-    theirs = accelerate_loop(
-        twin_model, twin.opt, lambda acc, m: acc.clip_grad_norm_(m.parameters(), MAX_NORM)
-    )
+    theirs = accelerate_loop(twin.run, twin.opt, lambda acc, m: acc.clip_grad_norm_(twin.all, MAX_NORM))
     assert len(ours) == 2 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     assert_same_weights(model, twin_model)
+
+
+def test_accelerates_own_clip_is_refused():
     model, _, _ = clip_off_pair("eager", torch.float32)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(sonar_fx.SonarUsageError, match=r"accelerate's"):
@@ -445,53 +447,27 @@ def test_accelerate_accumulation_with_sonars_clip_is_exact_and_its_own_clip_refu
     assert _moved(model, before) == []
 
 
-# 5 ------------------------------------------------------------------- frozen dense tensors
-
-
-def frozen(model: nn.Module, names: Callable[[str], bool]) -> None:
-    for n, p in model.named_parameters():
-        if names(n):
-            p.requires_grad_(False)
-
-
-def test_a_frozen_layer_before_the_experts_still_defers_their_gradient():
-    """The first block's input to its experts needs no gradient (embedding and attention frozen): the
-    eager capture still keeps the operands (it used to leave the gradient whole, and blame the compiler)."""
-    sonar, plain = sides("eager", torch.float32)
-    for side in (sonar, plain):
-        frozen(
-            side.model, lambda n: n.startswith(("model.embed_tokens", "model.layers.0.")) and "mlp" not in n
-        )
-    several_forwards(sonar)
-    several_forwards(plain)
-    assert_same_weights(sonar.model, plain.model)
-    assert sonar.model.sonar.report()["deferred"]["kept_whole"] == []
-
-
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=COMPILED_FP32)])
-def test_every_dense_tensor_frozen_under_a_grad_scaler_trains_exactly(compiler):
-    """No dense gradient at all: torch's GradScaler.step asserts it checked some gradient before it calls
-    the optimizer's step. One expert gradient is shown in .grad at the end of each backward for it to
-    check (and unscale); 2 micro-batches per step, a scale that overflows on some steps."""
-    model, opt, twin_model, twin = pair(compiler, torch.float32, "all")
-    for m in (model, twin_model):
-        frozen(m, lambda n: ".experts." not in n)
-    kw = dict(init_scale=2.0**8, growth_factor=2.0**40, backoff_factor=2.0**-40, growth_interval=1)
-    ours, theirs = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
-    data, scales = batches(8), []
-    for s in range(4):
-        for b in data[2 * s : 2 * s + 2]:
-            ours.scale(model(**b).loss).backward()
-            theirs.scale(twin.run(**b).loss).backward()
-        ours.step(opt)
-        ours.update()
-        opt.zero_grad()
-        theirs.unscale_(twin.opt)
-        twin.clip_()
-        theirs.step(twin.opt)
-        theirs.update()
-        twin.opt.zero_grad()
-        scales.append((ours.get_scale(), theirs.get_scale()))
-    assert all(a == b for a, b in scales) and len({a for a, _ in scales}) > 1, scales
-    assert_same_weights(model, twin_model)
-    assert opt.report()["deferred"]["kept_whole"] == []
+def test_sonar_clip_grad_norm_refusals():
+    """Where it cannot be torch's clip: while Sonar clips itself, twice in a step, before another
+    backward of the step, under a GradScaler (its norm would be of scaled expert gradients)."""
+    a, b = batches(2)
+    model, opt, _, _ = pair("eager", torch.float32, "all")
+    model(**a).loss.backward()
+    with pytest.raises(sonar_fx.SonarUsageError, match="clipped twice"):
+        opt.clip_grad_norm_(MAX_NORM)
+    model, _, _ = clip_off_pair("eager", torch.float32)
+    opt, before = model.sonar, [p.detach().clone() for p in model.parameters()]
+    model(**a).loss.backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    with pytest.raises(sonar_fx.SonarUsageError, match="twice"):
+        opt.clip_grad_norm_(MAX_NORM)
+    model(**b).loss.backward()
+    with pytest.raises(sonar_fx.SonarUsageError, match="a backward ran after"):
+        opt.step()
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(**a).loss).backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    with pytest.raises(sonar_fx.SonarUsageError, match="GradScaler"):
+        scaler.step(opt)
+    assert _moved(model, before) == []
