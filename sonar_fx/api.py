@@ -20,6 +20,7 @@ from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
 from sonar_fx.optim.defer_eager import register_defer_hooks
+from sonar_fx.optim.deferred_loop import ZeroGradWithKept
 from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, Schedule, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
@@ -114,6 +115,7 @@ def _prepare(
     model.register_forward_hook(mark_backward_root)  # where each backward begins, for the step tracker
     if schedule == "deferred":  # eager forwards keep their GEMM operands; compiled ones get the pass
         register_defer_hooks(model.get_submodule(layer.name) for layer in found.layers)
+        model.zero_grad = ZeroGradWithKept(model)  # type: ignore[method-assign]  # drops the kept gradients too
     return optimizer
 
 

@@ -66,8 +66,9 @@ def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tenso
     else:
         return None  # another view of the weight: autograd keeps its gradient whole
     y = func(x, w.detach(), *args[2:], **kwargs)
-    if not y.requires_grad:
-        return None  # nothing upstream needs a gradient: dy would never come; let autograd do it
+    # `param` is an input of the capture: its output needs a gradient (so dy comes) even where nothing
+    # upstream does (a frozen layer before the experts), and its node has the edge to `param` by which
+    # the engine says whether this backward accumulates into it (`inputs=`, `autograd.grad`).
     # x detached: the kept operand never holds the autograd graph upstream of x alive.
     return _KeepOperands.apply(y, x.detach().t(), offs, owner, param, _RECIPES[transposed])
 

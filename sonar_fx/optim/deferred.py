@@ -9,14 +9,21 @@ autograd's accumulation computes, bit for bit; so the step sees the facts of the
   and frees each expert gradient; the update pass computes it again;
 - a GradScaler's verdict: every expert gradient is unscaled and checked before any weight moves;
 - gradient accumulation: the micro-batches' operands, summed at the step.
-A tensor whose kept operands outgrow its gradient (many tokens per step) crosses over: its gradient is
-computed then and accumulated in `.grad` from there on, as standard training does. A gradient no graph
-deferred (eager hooks, a graph break, a producer with no recipe) stays whole in `.grad` until the step:
-exact, but nothing saved for it (said once, loudly).
+Kept per backward (autograd's graph task): within one backward the contributions to a weight are
+summed in the order they arrive, as the engine's input buffer sums them, and the backwards' sums are
+accumulated in the order the backwards end, as AccumulateGrad adds them: (e0+e1)+(e2+e3), never
+((e0+e1)+e2)+e3. A gradient that arrives whole (the weight also read outside its GEMM, a graph break,
+a producer with no recipe) is taken out of `.grad` by the expert's hook and joins its backward's sum
+where it arrived: exact, but alive until the step (counted by the meter, said once, loudly). A tensor
+whose kept contributions outgrow its gradient (many tokens per step) crosses over: the same sums are
+taken then and carried as one gradient from there on, as standard training holds it. A backward that
+plain torch would not take to an expert tensor (`inputs=`, `torch.autograd.grad` of other tensors)
+keeps nothing for it (`wanted_by_this_backward`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,14 +32,18 @@ import torch
 from torch import Tensor
 
 from sonar_fx.config import OptimizerConfig
-from sonar_fx.optim import global_clip
+from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim import deferred_loop, global_clip
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
 from sonar_fx.passes.recipe import Recipe
+from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
+
+NO_TASK = -1  # what autograd reports outside any backward
 
 
 @dataclass(frozen=True)
@@ -59,13 +70,78 @@ class _Kept:
         return Recipe.from_json(self.recipe).run(ops)
 
 
+Entry = _Kept | Tensor
+"""One contribution to an expert gradient: the operands of a weight-gradient GEMM, or a gradient that
+arrived whole (a use of the weight outside any captured GEMM, taken out of `.grad` by its hook)."""
+
+
+@dataclass
+class _Pending:
+    """One expert tensor's gradient of the step, as autograd accumulates it: within a backward, its
+    contributions summed in the order they arrived (the engine's input buffer); the backwards' sums
+    added in the order the backwards ended (AccumulateGrad: the first assigned, each next added)."""
+
+    param: Tensor
+    closed: list[list[Entry]] = field(default_factory=list)
+    open: dict[int, list[Entry]] = field(default_factory=dict)
+    """Graph task id -> the contributions of a backward still running."""
+    folded: bool = False
+    """Crossed over: `closed` holds at most one gradient, each open backward one running sum."""
+
+    def groups(self) -> list[list[Entry]]:
+        """Every backward's contributions, in the order their sums are added (a backward that raised
+        and so never ended counts as ended now)."""
+        return self.closed + [self.open[task] for task in sorted(self.open)]
+
+    def nbytes(self) -> int:
+        return sum(_entry_bytes(e) for group in self.groups() for e in group)
+
+    def fold_closed(self) -> None:
+        """The ended backwards' sums accumulated into one gradient (the same additions, in order)."""
+        if len(self.closed) > 1 or any(isinstance(e, _Kept) for g in self.closed for e in g):
+            total = _accumulate(self.closed, self.param, own=True)
+            self.closed = [[total]] if total is not None else []
+
+
+def _entry_bytes(entry: Entry) -> int:
+    return entry.nbytes if isinstance(entry, _Kept) else entry.untyped_storage().nbytes()
+
+
+def _sum(group: list[Entry], param: Tensor, *, own: bool) -> Tensor | None:
+    """One backward's contributions summed in arrival order: the first as is, each next added in
+    place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written."""
+    total = None
+    for entry in group:
+        grad = entry.gradient(param) if isinstance(entry, _Kept) else entry
+        if total is None:
+            total = grad if own or isinstance(entry, _Kept) else grad.clone()
+        else:
+            total.add_(grad)
+    return total
+
+
+def _accumulate(groups: list[list[Entry]], param: Tensor, *, own: bool) -> Tensor | None:
+    """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added."""
+    total = None
+    for group in groups:
+        part = _sum(group, param, own=own)
+        if part is None:
+            continue
+        if total is None:
+            total = part
+        else:
+            total.add_(part)
+    return total
+
+
 @dataclass
 class DeferredGrads:
-    """The step's kept operands, per expert tensor, and what they cost."""
+    """The step's kept contributions, per expert tensor and per backward, and what they cost."""
 
-    kept: dict[int, list[_Kept]] = field(default_factory=dict)
+    kept: dict[int, _Pending] = field(default_factory=dict)
     live_bytes: int = 0
-    """Bytes of operands kept now (storage bytes: a kept view keeps its whole storage)."""
+    """Bytes kept now (storage bytes: a kept view keeps its whole storage): operands, and the gradients
+    kept whole (arrived whole, or crossed over), which standard training would hold in `.grad`."""
     peak_bytes: int = 0
     """The most kept at once since the last `end_step`."""
     last_peak_bytes: int | None = None
@@ -74,60 +150,125 @@ class DeferredGrads:
     whole: set[str] = field(default_factory=set)
     """Expert tensors whose gradient arrived whole (not deferred) in this run."""
     _warned_whole: bool = False
-    _crossed_now: set[int] = field(default_factory=set)  # ids that crossed over in this step
+    _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
 
     def add(self, param: Tensor, name: str, recipe: str, operands: list[Tensor]) -> None:
-        """One backward's operands for `param` (or, past the crossover, its gradient added to `.grad`)."""
+        """One weight-gradient GEMM's operands for `param`, from the backward running now."""
         kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
         own = [t for t in kept if isinstance(t, Tensor)]
         nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in own}.values())
-        entry = _Kept(recipe, kept, nbytes)
-        if param.grad is not None:  # crossed over (or a hook kept it): accumulate as autograd does
-            param.grad += entry.gradient(param)
-            return
-        entries = self.kept.setdefault(id(param), [])
-        entries.append(entry)
+        self._contribute(param, name, _Kept(recipe, kept, nbytes))
+
+    def add_whole(self, param: Tensor, name: str) -> None:
+        """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
+        the next backward's contributions then find empty, into this backward's sum where it arrived;
+        said once."""
+        grad, param.grad = param.grad, None
+        assert grad is not None
+        self.whole.add(name)
+        self._contribute(param, name, grad)
+        self.note_whole([name])
+
+    def add_accumulated(self, param: Tensor, grad: Tensor) -> None:
+        """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
+        pending = self.kept.setdefault(id(param), _Pending(param))
+        pending.closed.insert(0, [grad])
+        self._grow(_entry_bytes(grad))
+
+    def _contribute(self, param: Tensor, name: str, entry: Entry) -> None:
+        pending = self.kept.get(id(param))
+        if pending is None:
+            pending = self.kept[id(param)] = _Pending(param)
+        group = self._group(pending)
+        if pending.folded:  # crossed over: the gradient now, into one running sum per backward
+            grad = _sum([entry], param, own=True)
+            assert grad is not None
+            if group:
+                group[0].add_(grad)  # type: ignore[union-attr]
+            else:
+                group.append(grad)
+                self._grow(_entry_bytes(grad))
+        else:
+            group.append(entry)
+            self._grow(_entry_bytes(entry))
+        held = pending.nbytes()
+        if not pending.folded and held > param.numel() * param.element_size():
+            pending.fold_closed()
+            for task, open_group in pending.open.items():
+                running_sum = _sum(open_group, param, own=True)
+                pending.open[task] = [running_sum] if running_sum is not None else []
+            pending.folded = True
+            self._grow(pending.nbytes() - held)
+            self.crossed[name] = held
+
+    def _group(self, pending: _Pending) -> list[Entry]:
+        """The running backward's contributions of `pending` (a call outside any backward: one of its own)."""
+        task = torch._C._current_graph_task_id()
+        if task == NO_TASK:
+            pending.closed.append([])
+            return pending.closed[-1]
+        if task not in self._open_tasks:
+            self._open_tasks.add(task)
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(functools.partial(self._close, task))
+        return pending.open.setdefault(task, [])
+
+    def _grow(self, nbytes: int) -> None:
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        held = sum(e.nbytes for e in entries)
-        if held > param.numel() * param.element_size():
-            param.grad = self.gradient(param, consume=True)
-            self.crossed[name] = held
-            self._crossed_now.add(id(param))
+
+    def _close(self, task: int) -> None:
+        """Autograd ended graph task `task` (nested ones too: reentrant checkpointing accumulates each
+        nested backward on its own): its sums are complete."""
+        self._open_tasks.discard(task)
+        for pending in self.kept.values():
+            group = pending.open.pop(task, None)
+            if group:
+                pending.closed.append(group)
+            whole = any(not isinstance(e, _Kept) for g in pending.closed for e in g)
+            if len(pending.closed) > 1 and (pending.folded or whole):
+                # A gradient held whole already: one accumulated gradient, not one per backward.
+                before = pending.nbytes()
+                pending.fold_closed()
+                self._grow(pending.nbytes() - before)
 
     def has(self, param: Tensor) -> bool:
         return id(param) in self.kept or param.grad is not None
 
     def arrived_whole(self, param: Tensor) -> bool:
-        """`param`'s gradient is in `.grad` though no operands were kept or crossed over for it."""
-        return param.grad is not None and id(param) not in self.kept and id(param) not in self._crossed_now
+        """`param`'s gradient came whole (taken from `.grad` in backward): no operands were kept for it."""
+        pending = self.kept.get(id(param))
+        if pending is None:  # a gradient in `.grad` at the step was shown there for a GradScaler
+            return False
+        return not pending.folded and all(not isinstance(e, _Kept) for g in pending.groups() for e in g)
+
+    def entries(self) -> list[_Kept]:
+        """Every kept set of operands, in the order kept per tensor (for tests and tools)."""
+        return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
 
     def gradient(self, param: Tensor, *, consume: bool) -> Tensor | None:
-        """`param`'s gradient for the step: `.grad` (kept whole), then each kept backward's gradient
-        added in order. `consume`: drop the operands and `.grad` (the update pass); else they stay and
-        the result is a new tensor (the norm pass)."""
-        entries = self.kept.pop(id(param), []) if consume else self.kept.get(id(param), [])
+        """`param`'s gradient for the step: `.grad` (the backwards so far, shown there for a GradScaler
+        by `deferred_loop.backward_finished`), then each backward's sum accumulated in order.
+        `consume`: drop the contributions and `.grad` (the update pass); else they stay and the result
+        is a new tensor (the norm pass)."""
+        pending = self.kept.pop(id(param), None) if consume else self.kept.get(id(param))
+        groups = pending.groups() if pending is not None else []
         grad = param.grad
         if consume:
             param.grad = None
-        elif grad is not None:
-            grad = grad.clone()
-        for e in entries:
-            g = e.gradient(param)
-            grad = g if grad is None else grad.add_(g)
-            if consume:
-                self.live_bytes -= e.nbytes
-        return grad
+            if pending is not None:
+                self.live_bytes -= pending.nbytes()
+        if grad is not None:
+            groups = [[grad], *groups]
+        return _accumulate(groups, param, own=consume)
 
     def clear(self) -> None:
-        """Drop every kept operand (`zero_grad`)."""
+        """Drop every kept contribution (`zero_grad`)."""
         self.kept.clear()
-        self._crossed_now.clear()
         self.live_bytes = 0
 
     def end_step(self) -> None:
         self.last_peak_bytes, self.peak_bytes = self.peak_bytes, self.live_bytes
-        self._crossed_now.clear()
 
     def note_whole(self, names: list[str]) -> None:
         """Gradients that arrived whole: say once that they were kept (exact, nothing saved)."""
@@ -136,10 +277,11 @@ class DeferredGrads:
             self._warned_whole = True
             warnings.warn(
                 f"sonar: schedule='deferred' kept {len(names)} expert gradient(s) whole until step() "
-                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): they were computed "
-                "outside a compiled graph (compiler='eager', a graph break, or a weight-gradient op with "
-                "no recipe). Training is exact, but no memory is saved for them; compile with "
-                "compiler='aot_eager' or 'inductor' (report()['deferred'] lists them).",
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): they arrived whole in "
+                "backward, outside a captured weight-gradient GEMM (the weight also read elsewhere, a "
+                "penalty on it; a graph break; a weight-gradient op with no recipe; an experts "
+                "implementation that indexes the weight). Training is exact, but no memory is saved for "
+                "them: each is alive from its backward to step() (report()['deferred'] lists them).",
                 stacklevel=4,
             )
 
@@ -156,12 +298,13 @@ def _weight_view(t: Tensor) -> _WeightView:
     return _WeightView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
 
-class SonarOptimizer(global_clip.Optimizer, Protocol):
+class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protocol):
     """What the deferred step reads and calls of `SonarOptimizer` (which imports this module)."""
 
     cfg: OptimizerConfig
     clipper: ExpertClipper
     deferred: DeferredGrads
+    loop: deferred_loop.DeferredLoop
     param_groups: list[dict[str, Any]]
     meter: ExpertGradMeter
     nonfinite_policy: NonFinitePolicy
@@ -189,6 +332,7 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
         opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped
     scaler = scaler_step(opt)
+    deferred_loop.refuse_before_step(opt, scaled=scaler is not None)
     # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
     # unscaled and checked them: unscaling it again would divide it by the scale twice.
     unscaled = {id(p) for p in experts if p.grad is not None} if scaler is not None else set()
@@ -208,6 +352,8 @@ def step(opt: SonarOptimizer) -> None:
             experts = [] if _skip_for_experts(opt) else experts
         if clip_all:
             opt.clipper.backward_pass = "update"  # the expert updates clip by the global coefficient
+    if opt.loop.clip is not None:  # model.sonar.clip_grad_norm_: its norms and coefficient, recorded
+        opt.clipper.coef, opt.clipper.backward_pass = opt.loop.clip.coef, "update"
     skipped = opt.clipper.skip_step
     opt.dense_step()
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
@@ -278,3 +424,18 @@ def _first_pass(
 def _required(grad: Tensor | None) -> Tensor:
     assert grad is not None, "an expert with neither kept operands nor a gradient was stepped"
     return grad
+
+
+def wanted_by_this_backward(param: Tensor, name: str) -> bool:
+    """Whether the running backward accumulates into `param` (plain torch would give it a gradient):
+    not under `backward(inputs=...)` without it, nor `torch.autograd.grad` of other tensors (autograd's
+    engine answers: `sonar_fx.runtime.engine`). Refused: `torch.autograd.grad` of the expert tensor
+    itself (its gradient exists only at `step()`)."""
+    fate = gradient_fate(param)
+    if fate == "requested":
+        raise SonarUsageError(
+            f"{name}: torch.autograd.grad() of an expert tensor under schedule='deferred': its "
+            "gradient is computed at step() from kept operands, never returned in backward. Take "
+            "autograd.grad() of other tensors only; loss.backward() and step() train the experts."
+        )
+    return fate == "accumulate"

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from sonar_fx.config import ExpertClip
 
@@ -35,17 +36,33 @@ def plain(norm: Tensor) -> Tensor:
     return full() if full is not None else norm
 
 
-def total_norm(norms: Sequence[Tensor]) -> Tensor:
-    """The norm of per-tensor norms listed in parameter order, grouped by (device, dtype) as
-    `torch.nn.utils.get_total_norm` groups them (order of first appearance, stable within a group)."""
+def total_norm(norms: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The norm of per-tensor norms listed in parameter order, as `torch.nn.utils.get_total_norm`
+    stacks them: grouped by (device, dtype) with torch's own grouping, in the order ITS dict gives
+    (not the order of first appearance: [fp32, bf16, fp32] puts the bf16 group first), stable within a
+    group, each moved to the first norm's device. A norm has its gradient's device and dtype, so the
+    norms group exactly as the gradients do."""
     if not norms:
         return torch.tensor(0.0)
+    if any(_is_dtensor(n) for n in norms):  # an FSDP2 shard's partial norm: torch groups plain tensors
+        return _total_norm_in_first_appearance(norms, norm_type)
+    grouped = _group_tensors_by_device_and_dtype([list(norms)])
+    first = norms[0].device
+    ordered = [n.to(first) for (group,), _ in grouped.values() for n in group if n is not None]
+    return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return getattr(t, "full_tensor", None) is not None
+
+
+def _total_norm_in_first_appearance(norms: Sequence[Tensor], norm_type: float) -> Tensor:
     keys: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for n in norms:
         keys.setdefault((n.device, n.dtype), []).append(n)
     first = norms[0].device
     ordered = [n.to(first) for group in keys.values() for n in group]
-    return torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+    return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
 
 
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:

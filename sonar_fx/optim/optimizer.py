@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
-from sonar_fx.optim import added_groups, deferred, global_clip, lowbit
+from sonar_fx.optim import added_groups, deferred, deferred_loop, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import (
     check_tensor,
@@ -151,6 +151,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.grad_watch = DenseGradWatch()
         self.meter = ExpertGradMeter()
         self.deferred = DeferredGrads()
+        self.loop = deferred_loop.DeferredLoop()  # what the loop did to gradients, for the deferred step
         self.steps_ended = 0
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
@@ -307,7 +308,12 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
             )
         refuse_before_update(self, "deferred")
-        self.deferred.add(param, name, recipe, operands)
+        if deferred.wanted_by_this_backward(param, name):  # plain torch would accumulate into it
+            self.deferred.add(param, name, recipe, operands)
+
+    def keep_whole_(self, param: Tensor) -> None:
+        """The deferred schedule's hook: `param.grad`, arrived whole, moved to its kept contributions."""
+        self.deferred.add_whole(param, self.expert_name(param))
 
     def not_accumulated(self, param: Tensor, fate: GradientFate) -> None:
         """The in-graph update of `param` met a backward that adds nothing to its `.grad` (see
@@ -349,6 +355,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def backward_began(self) -> None:
         """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
         self.tracker.backward_began()
+        deferred_loop.backward_began(self)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
@@ -361,6 +368,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self.grad_watch.backward_finished(self._dense)
             )
+        deferred_loop.backward_finished(self)
         err = self.nonfinite_policy.after_backward(list(self.tracker.updated), self._any_rank)
         if err is not None:
             self.tracker.interrupted = [n for n in self.tracker.updated if n not in err.tensors]
@@ -467,9 +475,16 @@ class SonarOptimizer(torch.optim.Optimizer):
         """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
         super().zero_grad(set_to_none)
         self.deferred.clear()
+        self.loop.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over every parameter, the experts included (the deferred
+        schedule; `sonar_fx.optim.deferred_loop`): returns torch's total norm, bitwise."""
+        return deferred_loop.clip_grad_norm_(self, max_norm, norm_type)
 
     def end_step(self) -> None:
         self.grad_watch.step_finished(self._dense)
+        self.loop.step_finished(self._dense)
         self.saving.end_step(
             compiler=self.compiler, paths=self.stats.current_step, after_graph=self.meter.after_graph,
             fallbacks=self.stats.fallbacks,

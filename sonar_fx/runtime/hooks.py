@@ -6,7 +6,9 @@ net for gradients computed outside any compiled graph (a hook finds no gradient,
 for a tensor whose gradient the graph consumed). The hook holds no reference to its owner: it looks
 the owner up when it fires, so a dropped optimizer is freed and its tensors train as plain tensors.
 Each hook reports its gradient to the owner's meter (`meter`): alive when the hook starts, freed by it.
-Under the deferred schedule a hook leaves the gradient in `.grad` for `step()`.
+Under the deferred schedule a hook moves the gradient out of `.grad` into the owner's kept
+contributions (`sonar_fx.optim.deferred`): it joins its backward's sum where it arrived, and `.grad`
+is empty for the next backward's, as autograd's accumulation needs.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ def update_and_free(param: Tensor) -> None:
     if param.grad is None:
         return  # the compiled graph consumed this gradient (it returned None) and updated in-graph
     owner = owner_of(param)
-    if owner is None or getattr(owner, "schedule", None) == "deferred":
-        return  # no live owner, or one that applies it at step(): the gradient stays in .grad
+    if owner is None:
+        return  # no live owner: the gradient stays in .grad, as for any plain tensor
     meter = owner.meter
+    if getattr(owner, "schedule", None) == "deferred":  # applied at step(), in the order autograd sums
+        meter.appeared(param, param.grad.nbytes)  # a whole expert gradient alive in backward: counted
+        owner.keep_whole_(param)
+        return
     meter.appeared(param, param.grad.nbytes)  # AccumulateGrad ran just now: it appeared just now
     try:
         owner.update_expert_(param, param.grad, path="hook")

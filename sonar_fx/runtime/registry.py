@@ -32,6 +32,8 @@ class ExpertOwner(Protocol):
         """The running backward does not add to `param`'s `.grad` (`engine.GradientFate`): record that
         its update was left out, or refuse the backward."""
 
+    def keep_whole_(self, param: Tensor) -> None: ...
+
 
 class UnboundExpertError(RuntimeError):
     """A gradient reached an in-backward update for a tensor that no live Sonar optimizer owns."""
