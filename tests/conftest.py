@@ -14,7 +14,8 @@ Sharing the machine: every test process and its children run one torch thread an
 code in-process (no compile-worker pool), so two xdist workers never oversubscribe two cores. Tests
 that use a module-scoped fixture (often a compiled model) are one xdist group, run by one worker in
 file order, so the fixture is built once; modules with slow or multi-process tests are handed out
-first, so no long test starts last. Never: change what a test computes or asserts.
+first, and within them the module groups (see `pytest_collection_modifyitems`), so no long test
+starts last. Never: change what a test computes or asserts.
 """
 
 from __future__ import annotations
@@ -193,11 +194,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    def weight(group: list[pytest.Item]) -> int:
+    def tier(group: list[pytest.Item]) -> int:
         marked = {m.name for item in group for m in item.iter_markers()}
         return next((i for i, name in enumerate(ORDER) if name in marked), len(ORDER))
 
-    items[:] = [item for group in sorted(modules.values(), key=weight) for item in group]
+    tiers = {item: tier(group) for group in modules.values() for item in group}
+    # Within a tier, the module-fixture groups first: each is one indivisible unit (a compiled model,
+    # a rehearsal run) that only one worker can run, so it starts while the single tests of the same
+    # tier are still left to even out the two workers' ends (longest processing time first).
+    ordered = [item for group in modules.values() for item in group]
+    items[:] = sorted(ordered, key=lambda item: (tiers[item], not _in_a_group(item)))
+
+
+def _in_a_group(item: pytest.Item) -> bool:
+    return item.get_closest_marker("xdist_group") is not None
 
 
 def _uses_module_fixture(item: pytest.Item) -> bool:
