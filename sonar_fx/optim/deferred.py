@@ -12,12 +12,11 @@ autograd's accumulation computes, bit for bit; so the step sees the facts of the
 A tensor whose kept operands outgrow its gradient (many tokens per step) crosses over: its gradient is
 computed then and accumulated in `.grad` from there on, as standard training does. A gradient no graph
 deferred (eager hooks, a graph break, a producer with no recipe) stays whole in `.grad` until the step:
-exact, but nothing saved for it (said once, loudly).
+exact, but nothing saved for it (the saving guard says so, once, with the cause).
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -73,7 +72,6 @@ class DeferredGrads:
     """Expert tensor name -> operand bytes it held when it crossed over to a kept gradient."""
     whole: set[str] = field(default_factory=set)
     """Expert tensors whose gradient arrived whole (not deferred) in this run."""
-    _warned_whole: bool = False
     _crossed_now: set[int] = field(default_factory=set)  # ids that crossed over in this step
 
     def add(self, param: Tensor, name: str, recipe: str, operands: list[Tensor]) -> None:
@@ -130,18 +128,8 @@ class DeferredGrads:
         self._crossed_now.clear()
 
     def note_whole(self, names: list[str]) -> None:
-        """Gradients that arrived whole: say once that they were kept (exact, nothing saved)."""
+        """Gradients that arrived whole (the saving guard said why, as each arrived: `kept_whole`)."""
         self.whole.update(names)
-        if names and not self._warned_whole:
-            self._warned_whole = True
-            warnings.warn(
-                f"sonar: schedule='deferred' kept {len(names)} expert gradient(s) whole until step() "
-                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): they were computed "
-                "outside a compiled graph (compiler='eager', a graph break, or a weight-gradient op with "
-                "no recipe). Training is exact, but no memory is saved for them; compile with "
-                "compiler='aot_eager' or 'inductor' (report()['deferred'] lists them).",
-                stacklevel=4,
-            )
 
     def report(self) -> dict[str, object]:
         return {
@@ -221,16 +209,14 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:
         name = opt.expert_name(p)
         deferred = not store.arrived_whole(p)
-        # In the parameter's layout at once (the recipe may give a transposed view): the view is freed
-        # as the copy returns, so one gradient's worth is alive, as autograd's layout contract leaves it.
-        grad = grad_like_param(p, _required(store.gradient(p, consume=True)))
-        opt.meter.appeared(p, grad.nbytes)
+        grad = _step_gradient(opt, p, consume=True, key=p)
         try:
             if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
             opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
         finally:
             opt.meter.freed(p)
+        del grad  # freed before the next tensor's gradient is computed: one alive at a time, not two
         names.append(name)
     err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
     opt.end_step()
@@ -264,15 +250,44 @@ def _first_pass(
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     for p in experts:
-        grad = grad_like_param(p, _required(opt.deferred.gradient(p, consume=False)))
-        opt.meter.appeared(p, grad.nbytes)
+        key = object()  # this pass's own copy: `.grad`, where it is alive, stays counted under `p`
+        grad = _step_gradient(opt, p, consume=False, key=key)
         if scaler is not None and found_inf is not None and id(p) not in unscaled:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)
         del grad
-        opt.meter.freed(p)
+        opt.meter.freed(key)
     return found_inf
+
+
+def _step_gradient(opt: SonarOptimizer, p: Tensor, *, consume: bool, key: object) -> Tensor:
+    """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
+    holds it, with what is alive beside it while it is made: one more gradient-sized tensor when two
+    pieces are summed (micro-batches, or `.grad` and kept operands), and a layout copy's source. The
+    norm pass (`consume=False`) reads a gradient kept whole in `.grad` in place: no second copy."""
+    store, meter = opt.deferred, opt.meter
+    nbytes = p.numel() * p.element_size()
+    pieces = len(store.kept.get(id(p), ())) + (p.grad is not None)
+    if not consume and pieces == 1 and p.grad is not None:
+        raw = p.grad  # counted under `p` since it arrived (`SonarOptimizer.gradient_kept`)
+    else:
+        meter.appeared(key, nbytes)
+        if pieces > 1:  # the sum holds one piece beside the running total
+            alive_for_a_moment(meter, nbytes)
+        raw = _required(store.gradient(p, consume=consume))
+    grad = grad_like_param(p, raw)
+    if grad is not raw:  # the copy and its source were alive together
+        meter.appeared(key, nbytes)
+        alive_for_a_moment(meter, nbytes)
+    return grad
+
+
+def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
+    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
+    temporary = object()
+    meter.appeared(temporary, nbytes)
+    meter.freed(temporary)
 
 
 def _required(grad: Tensor | None) -> Tensor:

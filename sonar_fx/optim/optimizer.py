@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim import deferred, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import check_tensor, refuse_changed_grads, refuse_second_step, refuse_unsupported
@@ -98,7 +99,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.schedule = schedule
         self.experts = ExpertSet(tuple(expert_layers))
         self.stats = SonarStats()
-        self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
+        self.saving = SavingGuard(
+            resolve_on_saving_lost(on_saving_lost),
+            ExpertGradBytes.of(expert_layers) if expert_layers else None,
+        )
         self.compiler = compiler
         self.distributed = distributed
         self.untracked: UntrackedGradients | None = None
@@ -285,7 +289,28 @@ class SonarOptimizer(torch.optim.Optimizer):
                 f"schedule={self.schedule!r} (a graph dynamo reused across models of one class). Prepare "
                 "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
             )
+        summed = param.grad is not None or bool(self.deferred.kept.get(id(param)))
+        crossed = param.grad is None
         self.deferred.add(param, name, recipe, operands)
+        if param.grad is None:
+            return
+        # Past the crossover: the gradient is kept in `.grad` until step() (and counted alive), and
+        # making it summed one backward's piece into the rest, both alive for that moment.
+        nbytes = param.numel() * param.element_size()
+        self.meter.appeared(param, nbytes)
+        if summed:
+            deferred.alive_for_a_moment(self.meter, nbytes)
+        if crossed:
+            self.saving.crossed_over(name, operand_bytes=self.deferred.crossed[name], grad_bytes=nbytes)
+
+    def gradient_kept(self, param: Tensor) -> None:
+        """The deferred schedule: autograd itself put `param`'s gradient in `.grad` (its hook says so):
+        kept whole until step(), alive from now on."""
+        grad = param.grad
+        if grad is None:
+            return
+        self.meter.appeared(param, grad.nbytes)
+        self.saving.kept_whole(self._names[id(param)], grad.nbytes, compiler=self.compiler)
 
     def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None:
         """The deferred step's `check_tensor` (fp16 weights allowed: the update waits for `step()`)."""
@@ -430,6 +455,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
         super().zero_grad(set_to_none)
         self.deferred.clear()
+        if set_to_none:  # what the meter counts alive was in `.grad`, freed now
+            self.meter.forget()
 
     def end_step(self) -> None:
         self._end_step()

@@ -6,7 +6,8 @@ net for gradients computed outside any compiled graph (a hook finds no gradient,
 for a tensor whose gradient the graph consumed). The hook holds no reference to its owner: it looks
 the owner up when it fires, so a dropped optimizer is freed and its tensors train as plain tensors.
 Each hook reports its gradient to the owner's meter (`meter`): alive when the hook starts, freed by it.
-Under the deferred schedule a hook leaves the gradient in `.grad` for `step()`.
+Under the deferred schedule a hook leaves the gradient in `.grad` for `step()` and tells the owner,
+which counts it alive and says why it was not deferred (`gradient_kept`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ def update_and_free(param: Tensor) -> None:
     if param.grad is None:
         return  # the compiled graph consumed this gradient (it returned None) and updated in-graph
     owner = owner_of(param)
-    if owner is None or getattr(owner, "schedule", None) == "deferred":
-        return  # no live owner, or one that applies it at step(): the gradient stays in .grad
+    if owner is None:
+        return  # no live owner: the gradient stays in .grad
+    if getattr(owner, "schedule", None) == "deferred":
+        owner.gradient_kept(param)  # applied at step(): it stays in .grad, alive until then
+        return
     meter = owner.meter
     meter.appeared(param, param.grad.nbytes)  # AccumulateGrad ran just now: it appeared just now
     try:

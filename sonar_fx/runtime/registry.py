@@ -27,6 +27,8 @@ class ExpertOwner(Protocol):
 
     def defer_expert_(self, param: Tensor, recipe: str, operands: list[Tensor]) -> None: ...
 
+    def gradient_kept(self, param: Tensor) -> None: ...
+
 
 class UnboundExpertError(RuntimeError):
     """A gradient reached an in-backward update for a tensor that no live Sonar optimizer owns."""
