@@ -6,13 +6,9 @@ weights and optimizer state. Shapes keep expert gradients far above activations 
 regime), so the prediction (all expert-gradient bytes minus one layer) is what the saving should be.
 """
 
-import warnings
-from dataclasses import dataclass, replace
-
 import pytest
 import torch
 
-import sonar_fx
 from sonar_fx.experts.discovery import discover_experts
 from sonar_fx.memory import (
     ExpertGradBytes,
@@ -26,6 +22,15 @@ from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 
 from helpers import CFG, batches
+from saving_cases import PATHS, measure_path
+
+SLOW = (
+    "deferred_aot_eager",
+    "deferred_user_compile",
+    "batched_mm_aot_eager",
+    "deferred_batched_mm_aot_eager",
+)
+"""The compiled paths (7-11 s each on two cores)."""
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_experts=32, num_layers=4)
 
@@ -132,123 +137,21 @@ def test_process_rss_sees_memory_the_process_touches():
 
 
 # ------------------------------------------- what the report says against what the allocator saw
-#
-# Each path Sonar trains on, one step measured after two (tiny Qwen3-MoE, bf16, 32 experts, 2 layers,
-# 24 tokens: no activation of the tests' shapes has an expert gradient's byte size, so the allocator
-# events of those sizes are the expert gradients, `measure_peak(sizes=...)`). Against it: the report's
-# `expert_grad_bytes.measured_peak` and `saving_lost_bytes`, and the step's peak against plain torch's.
-
-QWEN = dict(num_experts=32, moe_intermediate_size=64, num_hidden_layers=2)
-TOKENS = dict(batch=2, seq=12)
-
-
-def _qwen(experts: str | None) -> torch.nn.Module:
-    model = build_model("tiny-qwen3moe", dtype=torch.bfloat16, seed=0, **QWEN)
-    if experts is not None:
-        model.set_experts_implementation(experts)
-    return model
-
-
-def _measured(step, accum: int, sizes) -> tuple[int, int]:
-    """(step peak, expert-gradient-sized peak) of the third step of `step(micro_batches)`."""
-    data = batches(3 * accum, **TOKENS)
-    for s in range(2):
-        step(data[s * accum : (s + 1) * accum])
-    _, peak = measure_peak(lambda: step(data[2 * accum :]), sizes=sizes)
-    return peak.peak_bytes, peak.sized_peak_bytes
-
-
-def _plain_torch(experts: str | None, accum: int, sizes) -> int:
-    """Plain torch: fused AdamW, one clip over every parameter, `accum` micro-batches per step."""
-    model = _qwen(experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=CFG.lr, fused=True)
-
-    def step(micro_batches):
-        for b in micro_batches:
-            model(**b).loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), CFG.max_grad_norm)
-        opt.step()
-        opt.zero_grad()
-
-    return _measured(step, accum, sizes)[0]
-
-
-@dataclass(frozen=True)
-class Path:
-    compiler: str = "eager"
-    schedule: str = "in_backward"
-    experts: str | None = None
-    user_backend: str | None = None
-    """prepare, then the user's own torch.compile with this backend."""
-    accum: int = 1
-    scratch: int = 0
-    """Expert-gradient-sized blocks alive beside the gradients that the meter does not count, in
-    tensors: under aot_eager, batched_mm's gradient is a functional index_put, whose zero-filled
-    buffer and its copy are both alive for a moment inside the graph."""
-    saves: bool = True
-
-
-PATHS = {
-    "hooks": Path(),
-    "deferred": Path(schedule="deferred"),
-    "deferred_aot_eager": Path(compiler="aot_eager", schedule="deferred"),
-    "deferred_kept_whole": Path(schedule="deferred", experts="batched_mm", saves=False),
-    "deferred_user_compile": Path(schedule="deferred", user_backend="aot_eager", saves=False),
-    "batched_mm_hooks": Path(experts="batched_mm", saves=False),
-    "batched_mm_aot_eager": Path(compiler="aot_eager", experts="batched_mm", scratch=1, saves=False),
-    "deferred_batched_mm_aot_eager": Path(
-        compiler="aot_eager", schedule="deferred", experts="batched_mm", accum=2, scratch=1, saves=False
-    ),
-}
-SLOW = (
-    "deferred_aot_eager",
-    "deferred_user_compile",
-    "batched_mm_aot_eager",
-    "deferred_batched_mm_aot_eager",
-)
-"""Compiled paths (10-20 s each on two cores)."""
-
-
-def _sonar(path: Path):
-    torch._dynamo.reset()
-    model = _qwen(path.experts)
-    cfg = replace(CFG, expert_clip="global") if path.schedule == "deferred" else CFG
-    options = dict(schedule=path.schedule, on_saving_lost="warn")
-    if path.user_backend is not None:
-        opt = sonar_fx.prepare(model, cfg, **options)
-        run = torch.compile(model, backend=path.user_backend)
-    else:
-        run = sonar_fx.compile(model, cfg, compiler=path.compiler, **options)
-        opt = run.sonar
-
-    def step(micro_batches):
-        for b in micro_batches:
-            run(**b).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return opt, step
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PATHS])
 def test_the_report_is_what_the_allocator_saw(name):
-    """The reported expert-gradient peak is the most expert-gradient bytes the allocator held at once;
-    where the report loses nothing the step saves >= 90% of the prediction against plain torch, and
-    where it loses more than half the step saves less than half (one warning says why)."""
+    """On each path (`tests/saving_cases.py`: tiny Qwen3-MoE, bf16, 32 experts, shapes at which only
+    expert gradients have an expert gradient's byte size): the reported expert-gradient peak is the
+    most bytes of such blocks the allocator held at once; where the report loses nothing the step saves
+    >= 90% of the prediction against plain torch, and where it loses more than half the step saves less
+    than half, and one warning says why."""
+    r = measure_path(name)
     path = PATHS[name]
-    bounds = ExpertGradBytes.of(discover_experts(_qwen(path.experts)))
-    predicted, largest = bounds.predicted_saving, max(bounds.tensor_sizes)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt, step = _sonar(path)
-        peak, sized = _measured(step, path.accum, bounds.tensor_sizes)
-    report = opt.report()
-    assert sized == report["expert_grad_bytes"]["measured_peak"] + path.scratch * largest, report
-    saved = _plain_torch(path.experts, path.accum, bounds.tensor_sizes) - peak
-    said = [str(w.message) for w in caught if str(w.message).startswith("sonar:")]
+    assert r.allocator_peak == r.report["expert_grad_bytes"]["measured_peak"] + path.scratch * r.largest, r
     if path.saves:
-        assert report["saving_lost_bytes"] == 0 and said == []
-        assert sized == largest and saved >= 0.9 * predicted, (saved, predicted)
+        assert r.report["saving_lost_bytes"] == 0 and r.warnings == []
+        assert r.allocator_peak == r.largest and r.saved >= 0.9 * r.predicted, r  # one at a time
     else:
-        assert report["saving_lost_bytes"] > predicted / 2 and len(said) == 1, said
-        assert saved < predicted / 2, (saved, predicted)
+        assert r.report["saving_lost_bytes"] > r.predicted / 2 and len(r.warnings) == 1, r
+        assert r.saved < r.predicted / 2, r
