@@ -277,9 +277,10 @@ def _step_gradient(opt: SonarOptimizer, p: Tensor, *, consume: bool, key: object
             alive_for_a_moment(meter, nbytes)
         raw = _required(store.gradient(p, consume=consume))
     grad = grad_like_param(p, raw)
-    if grad is not raw:  # the copy and its source were alive together
+    if grad is not raw:  # a layout copy: counted under `key`, with its source beside it for a moment
         meter.appeared(key, nbytes)
-        alive_for_a_moment(meter, nbytes)
+        if raw is not p.grad:  # (a source still in `.grad` stays counted under `p`)
+            alive_for_a_moment(meter, nbytes)
     return grad
 
 
