@@ -96,6 +96,7 @@ CASES = [(1, "all"), (4, "all"), (4, "dense")]
 
 @pytest.mark.parametrize(("accum", "clip"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.usefixtures("deferred_saving_lost")  # 4 micro-batches cross over
 def test_eager_deferred_is_plain_torch(dtype, accum, clip):
     model, opt, twin_model, twin = pair("eager", dtype, clip)
     totals = run_steps(model, opt, twin, accum)
@@ -114,6 +115,7 @@ COMPILED_CASES = [(torch.bfloat16, a, c) for a, c in CASES] + [
 
 
 @pytest.mark.parametrize(("dtype", "accum", "clip"), COMPILED_CASES)
+@pytest.mark.usefixtures("deferred_saving_lost")  # 4 micro-batches cross over
 def test_aot_eager_deferred_is_plain_torch(dtype, accum, clip):
     counters.clear()
     model, opt, twin_model, twin = pair("aot_eager", dtype, clip)

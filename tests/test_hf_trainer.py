@@ -213,6 +213,7 @@ def drop_in_run(trainer_cls, out, model_name="tiny-olmoe", overrides=CLIPPED, **
 
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, compiler):
     """Swapping the class is the whole migration: the plain Trainer's all-parameter clip, accumulation of
     4 and scheduler, bitwise, with Sonar's memory (expert gradients from operands kept in backward)."""
@@ -252,6 +253,7 @@ def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_path, optim):
     """fp16=True: on CPU accelerate builds neither autocast nor a GradScaler, so both are given to both
     Trainers (before accelerate wraps model and optimizer), with a scale that overflows: skipped steps,
@@ -282,6 +284,7 @@ def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_
 
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
     """TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, the fused LM head, the
     router's auxiliary loss) and the Trainer's all-parameter clip, accumulating 2 micro-batches."""
@@ -344,6 +347,7 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert weights_differ(fresh, whole)
 
 
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_resume_with_accumulation_equals_the_uninterrupted_run(tmp_path):
     """The deferred schedule keeps nothing across a step: a Trainer checkpoint (optimizer.pt holds
     model.sonar's state) resumes bitwise with accumulation and the all-parameter clip."""

@@ -1,4 +1,4 @@
-"""The saving guard: a compiled run that would quietly save nothing says so, or refuses to run.
+"""The saving guard: a run that would quietly save nothing (or less than half) says so, or refuses.
 
 Sonar's memory saving holds only where an expert gradient is updated as soon as it is complete. Under
 torch.compile that is the in-graph update; a gradient the compiled backward graph returns instead is
@@ -12,7 +12,14 @@ at once: exact, but no memory saved. Two guards:
 - at forward time: a prepared model whose forward ran in a graph that ANOTHER backend compiled (the
   user's own `torch.compile(model)`) holds expert tensors (`watch_compiled_forward`): every expert
   gradient of that graph comes back at once for the hooks. Warns once, or raises under "raise" (before
-  its backward, so before any weight moves), and has the meter count them alive together.
+  its backward, so before any weight moves), and has the meter count them alive together;
+- against the prediction (`ExpertGradBytes.predicted_saving`), the causes that take the saving back
+  on any path: a deferred tensor whose operands outgrow its gradient (`crossed_over`), a deferred
+  gradient autograd computed whole (`kept_whole`), expert-weight copies a gathering experts
+  implementation saves for backward (`gathered_weights`, from `watch_gathered_experts`). Each warns
+  once, at the step's end, with its cause and fix; under "raise" the path is refused where the cause is
+  found once it saves less than half of the prediction, before any weight moves.
+`saving_lost_bytes` counts every byte so lost, `saving_lost_by_cause` splits it.
 What the meter measured (`sonar_fx.runtime.meter`) is reported beside the bounds (`expert_grad_bytes`).
 This module judges and reports; it never changes where or how an update runs.
 """
@@ -158,8 +165,8 @@ class SavingGuard:
         if compiler == "eager":
             cause = (
                 "the experts' forward did not compute them with a grouped GEMM on the expert weight, which "
-                "is what the eager capture keeps operands of (transformers' batched_mm experts gather "
-                "expert rows per token, its eager experts index one expert at a time)"
+                "is what the eager capture keeps operands of (experts that gather or index the weight do "
+                "not: transformers' batched_mm and eager experts, a per-expert loop)"
             )
             fix = (
                 "model.set_experts_implementation('grouped_mm') (the default), or compile "
