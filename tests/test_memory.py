@@ -26,8 +26,7 @@ from saving_cases import PATHS, measure_path
 
 SLOW = ("deferred_user_compile", "batched_mm_aot_eager", "deferred_batched_mm_aot_eager")
 """Compiled paths whose warning and refusal tests/test_saving_guard.py also checks (2-3 s each on a
-quiet machine, 6-8 s loaded);
-the deferred schedule's compiled one-tensor-at-a-time claim stays in the fast tier."""
+quiet machine, 6-8 s loaded); the deferred schedule's compiled claim stays in the fast tier."""
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_experts=32, num_layers=4)
 
