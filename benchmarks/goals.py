@@ -39,11 +39,12 @@ GOALS: dict[str, Target] = {
     "methods.per_expert": _x(">", 1.00),
     # granularity (paper Table 3)
     "granularity.per_expert": _x(">", 1.00, " (paper, GPU: +20% OLMoE, +72% Granite)"),
-    # accumulation (paper Table 8) and the deferred schedule: time by (clip, A), memory at A=4
+    # accumulation (paper Table 8) and the deferred schedule: time by (clip, A), memory at A=1 and 4
     "accumulation.deferred_all_1": _x("<=", 1.10),
     "accumulation.deferred_dense_4": _x("<=", 1.03),
     "accumulation.deferred_all_4": _x("<=", 1.10),
     "accumulation.deferred_memory": Target(0.9, ">=", ">= 90% of expected"),
+    "accumulation.deferred_memory_one": Target(0.9, ">=", ">= 90% of predicted (one micro-batch)"),
     # hot_path: CPU-time ratios of equal-work pairs
     "hot_path.pass_vs_twin": _x("<=", 0.97),
     "hot_path.hooks_vs_handwritten": _x("<=", 1.00),

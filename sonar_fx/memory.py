@@ -16,7 +16,7 @@ import os
 import resource
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +39,21 @@ class PeakMemory:
     """CUDA only: `torch.cuda.max_memory_allocated()` (absolute)."""
     reserved_bytes: int | None = None
     """CUDA only: `torch.cuda.max_memory_reserved()` (absolute)."""
+    sized_peak_bytes: int | None = None
+    """CPU, when `measure_peak` was given `sizes`: the peak of the bytes alive in blocks of exactly one
+    of those sizes (e.g. the expert gradients', `ExpertGradBytes.tensor_sizes`), replayed from the same
+    allocator events: what such tensors held at once, seen by the allocator rather than told."""
 
     @property
     def peak_mib(self) -> float:
         return self.peak_bytes / 2**20
 
 
-def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, PeakMemory]:
-    """Run `fn()` once and return its result with the peak memory it needed."""
+def measure_peak(
+    fn: Callable[[], Any], device: torch.device | str = "cpu", *, sizes: Collection[int] = ()
+) -> tuple[Any, PeakMemory]:
+    """Run `fn()` once and return its result with the peak memory it needed (CPU, with `sizes`: also
+    the peak of the blocks of those sizes alone, `PeakMemory.sized_peak_bytes`)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -65,7 +72,8 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> t
     finally:
         with native_stderr_silenced():
             prof.stop()
-    return result, PeakMemory(peak_live_bytes(prof))
+    sized = peak_live_bytes(prof, sizes=sizes) if sizes else None
+    return result, PeakMemory(peak_live_bytes(prof), sized_peak_bytes=sized)
 
 
 _UNKNOWN_BLOCK = "Memory block of unknown size was allocated before the profiling started"
@@ -109,10 +117,14 @@ def _native_stderr_without(line: str) -> Iterator[None]:
                 os.write(2, b"".join(kept))
 
 
-def peak_live_bytes(prof: profile) -> int:
-    """Peak of the running sum of CPU allocator events recorded by `prof`, in bytes (>= 0)."""
+def peak_live_bytes(prof: profile, *, sizes: Collection[int] = ()) -> int:
+    """Peak of the running sum of CPU allocator events recorded by `prof`, in bytes (>= 0); with
+    `sizes`, of the events of blocks of exactly those sizes only (an allocation's event carries its
+    size, a free's the size negated)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
     events = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    if sizes:
+        events = [e for e in events if abs(e.nbytes()) in sizes]  # type: ignore[union-attr]
     events.sort(key=lambda e: e.start_ns())
     live = peak = 0
     for e in events:
@@ -184,13 +196,16 @@ class ExpertGradBytes:
     """Every layer's expert gradients: all alive at once at standard training's optimizer step."""
     one_layer: int
     """The largest layer's: the most Sonar keeps alive at a time (a layer's are freed after its update)."""
+    tensor_sizes: frozenset[int] = frozenset()
+    """The byte sizes of the expert tensors' gradients (for `measure_peak(sizes=...)`)."""
 
     @classmethod
     def of(cls, layers: Sequence[ExpertLayer]) -> ExpertGradBytes:
         if not layers:
             raise ValueError("ExpertGradBytes.of needs the model's expert layers (discover_experts)")
         grads = [layer.grad_bytes() for layer in layers]
-        return cls(total=sum(grads), one_layer=max(grads))
+        sizes = frozenset(t.param.numel() * t.param.element_size() for layer in layers for t in layer.tensors)
+        return cls(total=sum(grads), one_layer=max(grads), tensor_sizes=sizes)
 
     @property
     def predicted_saving(self) -> int:

@@ -26,6 +26,7 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 # Before torch is imported: children (CLI runs, gloo ranks, torchrun) inherit these.
@@ -91,6 +92,19 @@ def gpu_device(request: pytest.FixtureRequest) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (--gpu-device cpu rehearses the test's code on CPU)")
     return device
+
+
+@pytest.fixture
+def deferred_saving_lost(monkeypatch: pytest.MonkeyPatch):
+    """For a test of the deferred schedule's arithmetic where its saving is lost: a tiny model with many
+    tokens per step (its expert tensors cross over: a step's kept operands outgrow them), or experts the
+    eager capture cannot defer (the reference model's, kept whole). The suite's "raise" would refuse
+    the run (tests/test_saving_guard.py tests that refusal); here it trains with the saving guard's
+    warning, which is let through."""
+    monkeypatch.setenv(ON_SAVING_LOST_ENV, "warn")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"sonar: schedule='deferred' ke", category=UserWarning)
+        yield
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(("scope", "baseline"), [("all", "standard"), ("dense", "standard_no_expert_clip")])
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_sonar_with_accumulation_equals_its_baseline_accumulating_alike(tmp_path, scope, baseline):
     assert finetune(tmp_path / "sonar", "--grad-accum", "2", "--clip-scope", scope) == 0
     assert finetune(tmp_path / "base", "--method", baseline, "--grad-accum", "2") == 0
@@ -92,6 +93,7 @@ def test_sonar_with_accumulation_equals_its_baseline_accumulating_alike(tmp_path
     assert all(not torch.equal(ga1[k], base[k]) for k in base)
 
 
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_resume_with_accumulation_and_the_global_clip_is_bitwise(tmp_path):
     flags = ("--grad-accum", "2", "--clip-scope", "all", "--steps", "4")
     assert finetune(tmp_path / "straight", *flags) == 0

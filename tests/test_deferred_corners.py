@@ -23,6 +23,10 @@ from sonar_fx.models.tiny import enable_activation_checkpointing
 from helpers import assert_same_weights, batches, known_library_failure
 from test_deferred import MAX_NORM, Twin, cfg_for, pair
 
+# Tiny models with many tokens per step cross over, and a weight read outside its GEMM is kept whole:
+# the saving is lost by design here (the guard's refusal has its own tests in test_saving_guard.py).
+pytestmark = pytest.mark.usefixtures("deferred_saving_lost")
+
 COMPILED_FP32 = known_library_failure(grouped_mm_compiled=torch.float32)
 DTYPES = [torch.float32, torch.bfloat16]
 COMPILED_DTYPES = [pytest.param(torch.float32, marks=COMPILED_FP32), torch.bfloat16]
@@ -181,10 +185,10 @@ def test_the_norm_pass_leaves_the_kept_gradients_as_they_were():
     sonar, _ = sides("eager", torch.float32)
     a, b, c = batches(3, seq=8)
     sonar.loss(c).backward()
-    with pytest.warns(UserWarning, match="whole"):
-        penalty = sum(w.pow(2).sum() for w in sonar.experts())
-        (sonar.loss(a) + sonar.loss(b) + penalty).backward()
+    penalty = sum(w.pow(2).sum() for w in sonar.experts())
+    (sonar.loss(a) + sonar.loss(b) + penalty).backward()
     store = sonar.model.sonar.deferred
+    assert store.whole == {sonar.model.sonar.expert_name(p) for p in sonar.experts()}  # the penalty's
     for p in sonar.experts():
         norm_pass = [store.gradient(p, consume=False) for _ in range(2)]
         assert torch.equal(norm_pass[0], norm_pass[1])

@@ -183,6 +183,7 @@ def test_sft_trainer_equals_standard_with_trls_defaults(compiler):
 
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_with_the_trainers_defaults_equals_the_plain_trainer(tmp_path, compiler):
     """Swapping the class is the whole migration: the plain Trainer's all-parameter clip, accumulation of
     4, weight decay (biases and norm weights exempt, by the Trainer's own rule) and scheduler, bitwise,
@@ -228,6 +229,7 @@ def test_drop_in_negative_control_dense_only_clip_differs(tmp_path):
     assert model.sonar.schedule == "in_backward" and weights_differ(model, plain)
 
 
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_path):
     """fp16=True: on CPU accelerate builds neither autocast nor a GradScaler, so both are given to both
     Trainers (before accelerate wraps model and optimizer), with a scale that overflows: skipped steps,
@@ -256,6 +258,7 @@ def test_drop_in_fp16_with_a_scaler_that_overflows_equals_the_plain_trainer(tmp_
 
 
 @pytest.mark.parametrize("compiler", COMPILERS_VS_EAGER)
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_sft_trainer_with_accumulation_equals_trls(compiler):
     """TRL's SFTTrainer with its defaults (bf16 autocast, gradient checkpointing, the fused LM head, the
     router's auxiliary loss), the Trainer's all-parameter clip and weight decay 0.01 (norm weights
@@ -331,6 +334,7 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(tmp_path,
     assert weights_differ(fresh, whole)
 
 
+@pytest.mark.usefixtures("deferred_saving_lost")
 def test_drop_in_resume_with_accumulation_equals_the_uninterrupted_run(tmp_path):
     """The deferred schedule keeps nothing across a step: a Trainer checkpoint (optimizer.pt holds
     model.sonar's state) resumes bitwise with accumulation and the all-parameter clip."""

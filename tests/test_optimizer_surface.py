@@ -16,6 +16,7 @@ from sonar_fx.errors import UnsupportedOptionError
 from sonar_fx.models import build_model
 from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.rules import end_of_step_optimizer, rule_for
+from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
 from helpers import assert_same_weights, batches
 
@@ -100,7 +101,8 @@ class _Twin:
         ("adamw", "eager", "deferred"),
     ],
 )
-def test_a_group_added_mid_run_trains_as_torchs(name, compiler, schedule):
+def test_a_group_added_mid_run_trains_as_torchs(name, compiler, schedule, monkeypatch):
+    monkeypatch.setenv(ON_SAVING_LOST_ENV, "warn")  # the reference model's experts: kept whole, warned
     cfg, (b0, b1, b2) = CONFIGS[name], batches(3)
     model = _sonar(compiler, cfg, frozen=LATE, schedule=schedule)
     twin = _Twin(cfg, frozen=LATE)
@@ -266,9 +268,10 @@ def _halve(grad):
 
 
 @pytest.mark.parametrize("schedule", ["in_backward", "deferred"])
-def test_a_users_hook_on_an_expert_runs_in_eager_sonar_exactly_as_in_torch(schedule):
+def test_a_users_hook_on_an_expert_runs_in_eager_sonar_exactly_as_in_torch(schedule, monkeypatch):
     """Eager, autograd hands the gradient to the hook first: the in-backward hook path, and the deferred
     schedule where the reference model's experts (bmm, no grouped GEMM) keep their gradient whole."""
+    monkeypatch.setenv(ON_SAVING_LOST_ENV, "warn")  # kept whole: warned, not refused
     cfg, data = CONFIGS["adamw"], batches(3)
     model = _sonar(schedule=schedule)
     twin = _Twin(cfg, frozen=())

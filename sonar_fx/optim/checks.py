@@ -111,6 +111,12 @@ def refuse_changed_grads(names: list[str], max_grad_norm: float | None, experts_
     )
 
 
+def _observes_only(hook: Callable[..., Any]) -> bool:
+    """torch's memory tools (`torch.distributed._tools`: MemTracker, which the planner runs) hook every
+    parameter to account its gradient; they never change it, so an update that skips them is exact."""
+    return getattr(hook, "__module__", "").startswith("torch.distributed._tools")
+
+
 _UNSEEN_BECAUSE = {
     "graph": "a compiled graph consumes this gradient and updates the tensor inside the graph",
     "deferred": "schedule='deferred' computes this gradient at step(), from operands kept in backward",
@@ -123,9 +129,9 @@ def refuse_unseen_grad_hooks(params: Iterable[Tensor], name_of: Callable[[Tensor
     hook then receives None), or the deferred schedule computes it at `step()` (the hook never runs).
     `path` ("graph" or "deferred") says which; the fix: the eager in-backward path (the hook runs first)."""
     for p in params:
-        hooks = p._backward_hooks
+        hooks = [h for h in (p._backward_hooks or {}).values() if not _observes_only(h)]
         if hooks:
-            hook = next(iter(hooks.values()))
+            hook = hooks[0]
             raise SonarUsageError(
                 f"{name_of(p)} has a gradient hook of yours ({getattr(hook, '__qualname__', repr(hook))}, "
                 f"registered with register_hook): {_UNSEEN_BECAUSE[path]}, so the hook would not change the "

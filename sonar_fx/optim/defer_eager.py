@@ -3,9 +3,11 @@
 While an experts module runs its forward (a pre-hook enters `DeferGemms`, a hook leaves it), a
 grouped GEMM whose weight operand is an owned expert tensor (or its transpose) runs on the DETACHED
 weight, so autograd computes the input gradient exactly as before and no weight gradient at all; a
-node after the GEMM receives dy when backward reaches it and hands (x, dy, offs) to the owner,
-with the recipe autograd's weight gradient is made by: `_grouped_mm(x^T, dy, offs)`, transposed back
-where the weight was transposed. Any other use of an expert weight (a gather of expert rows for
+node after the GEMM receives dy when backward reaches it and hands the operands of autograd's weight
+gradient to the owner, with its recipe: `_grouped_mm(x^T, dy, offs)` for a weight used as stored, and
+`_grouped_mm(dy^T, x, offs)` for a weight used transposed (`x @ W[e]^T`), so that the gradient comes
+out in the parameter's own layout and the step never copies it to another (one gradient alive, not
+two). Any other use of an expert weight (a gather of expert rows for
 bmm, a per-expert loop) is left to autograd: its gradient arrives whole in `.grad` and the deferred
 step says it kept it. Never active under dynamo: compiled graphs get the graph pass instead.
 """
@@ -26,16 +28,10 @@ from sonar_fx.runtime.registry import owner_of
 _GROUPED_MM = {torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm)}
 
 
-def _recipe(transposed: bool) -> str:
-    views: list[tuple[str, list[Any], dict[str, Any]]] = (
-        [("aten.transpose.int", [-2, -1], {})] if transposed else []
-    )
-    return Recipe(
-        "aten._grouped_mm.default", [{"operand": 0}, {"operand": 1}], {"offs": {"operand": 2}}, None, views
-    ).to_json()
-
-
-_RECIPES = {t: _recipe(t) for t in (False, True)}
+_RECIPE = Recipe(
+    "aten._grouped_mm.default", [{"operand": 0}, {"operand": 1}], {"offs": {"operand": 2}}, None, []
+).to_json()
+"""`_grouped_mm(a, b, offs)` over the kept operands [a, b, offs]: (x^T, dy) or, transposed, (dy^T, x)."""
 
 
 class DeferGemms(TorchFunctionMode):
@@ -70,26 +66,28 @@ def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tenso
     # upstream does (a frozen layer before the experts), and its node has the edge to `param` by which
     # the engine says whether this backward accumulates into it (`inputs=`, `autograd.grad`).
     # x detached: the kept operand never holds the autograd graph upstream of x alive.
-    return _KeepOperands.apply(y, x.detach().t(), offs, owner, param, _RECIPES[transposed])
+    return _KeepOperands.apply(y, x.detach(), offs, owner, param, transposed)
 
 
 class _KeepOperands(torch.autograd.Function):
-    """Identity on the GEMM's output whose backward hands (x^T, dy, offs) to the owner.
+    """Identity on the GEMM's output whose backward hands the weight gradient's operands to the owner:
+    (x^T, dy, offs), or (dy^T, x, offs) for a transposed weight (both views, never copies).
 
     The operands are the node's saved tensors, not a hook's closure: autograd frees them when the
     backward ends (unless the graph is retained, where a second backward keeps them again), so a loop
     that holds `loss` through `step()` does not hold every layer's inputs with it."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, x_t: Tensor, offs: Tensor, owner: Any, param: Tensor, recipe: str):
-        ctx.save_for_backward(x_t, offs)
-        ctx.owner, ctx.param, ctx.recipe = owner, param, recipe
+    def forward(ctx: Any, y: Tensor, x: Tensor, offs: Tensor, owner: Any, param: Tensor, transposed: bool):
+        ctx.save_for_backward(x, offs)
+        ctx.owner, ctx.param, ctx.transposed = owner, param, transposed
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x_t, offs = ctx.saved_tensors
-        ctx.owner.defer_expert_(ctx.param, ctx.recipe, [x_t, dy, offs])
+        x, offs = ctx.saved_tensors
+        operands = [dy.t(), x, offs] if ctx.transposed else [x.t(), dy, offs]
+        ctx.owner.defer_expert_(ctx.param, _RECIPE, operands)
         return dy, None, None, None, None, None
 
 

@@ -14,7 +14,8 @@ summed in the order they arrive, as the engine's input buffer sums them, and the
 accumulated in the order the backwards end, as AccumulateGrad adds them: (e0+e1)+(e2+e3), never
 ((e0+e1)+e2)+e3. A gradient that arrives whole (the weight also read outside its GEMM, a graph break,
 a producer with no recipe) is taken out of `.grad` by the expert's hook and joins its backward's sum
-where it arrived: exact, but alive until the step (counted by the meter, said once, loudly). A tensor
+where it arrived: exact, but alive until the step (counted by the meter; the saving guard says
+so, once, with the cause). A tensor
 whose kept contributions outgrow its gradient (many tokens per step) crosses over: the same sums are
 taken then and carried as one gradient from there on, as standard training holds it. A backward that
 plain torch would not take to an expert tensor (`inputs=`, `torch.autograd.grad` of other tensors)
@@ -24,7 +25,6 @@ keeps nothing for it (`wanted_by_this_backward`).
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -149,7 +149,6 @@ class DeferredGrads:
     """Expert tensor name -> operand bytes it held when it crossed over to a kept gradient."""
     whole: set[str] = field(default_factory=set)
     """Expert tensors whose gradient arrived whole (not deferred) in this run."""
-    _warned_whole: bool = False
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
 
     def add(self, param: Tensor, name: str, recipe: str, operands: list[Tensor]) -> None:
@@ -242,6 +241,28 @@ class DeferredGrads:
             return False
         return not pending.folded and all(not isinstance(e, _Kept) for g in pending.groups() for e in g)
 
+    def crossed_over(self, param: Tensor) -> bool:
+        """`param`'s kept contributions outgrew its gradient in this step: it is held as a gradient now."""
+        pending = self.kept.get(id(param))
+        return pending is not None and pending.folded
+
+    def pieces(self, param: Tensor) -> int:
+        """How many gradient-sized pieces `gradient(param)` sums (kept contributions and `.grad`)."""
+        pending = self.kept.get(id(param))
+        kept = sum(len(g) for g in pending.groups()) if pending is not None else 0
+        return kept + (param.grad is not None)
+
+    def held(self, param: Tensor) -> Tensor | None:
+        """`param`'s step gradient when it is already one tensor (arrived whole or accumulated past the
+        crossover, in the store or in `.grad`), to be read in place; else None."""
+        if self.pieces(param) != 1:
+            return None
+        pending = self.kept.get(id(param))
+        if pending is None:
+            return param.grad
+        entry = next(e for g in pending.groups() for e in g)
+        return entry if isinstance(entry, Tensor) else None
+
     def entries(self) -> list[_Kept]:
         """Every kept set of operands, in the order kept per tensor (for tests and tools)."""
         return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
@@ -271,19 +292,8 @@ class DeferredGrads:
         self.last_peak_bytes, self.peak_bytes = self.peak_bytes, self.live_bytes
 
     def note_whole(self, names: list[str]) -> None:
-        """Gradients that arrived whole: say once that they were kept (exact, nothing saved)."""
+        """Gradients that arrived whole (the saving guard said why, as each arrived: `kept_whole`)."""
         self.whole.update(names)
-        if names and not self._warned_whole:
-            self._warned_whole = True
-            warnings.warn(
-                f"sonar: schedule='deferred' kept {len(names)} expert gradient(s) whole until step() "
-                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): they arrived whole in "
-                "backward, outside a captured weight-gradient GEMM (the weight also read elsewhere, a "
-                "penalty on it; a graph break; a weight-gradient op with no recipe; an experts "
-                "implementation that indexes the weight). Training is exact, but no memory is saved for "
-                "them: each is alive from its backward to step() (report()['deferred'] lists them).",
-                stacklevel=4,
-            )
 
     def report(self) -> dict[str, object]:
         return {
@@ -367,16 +377,14 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:
         name = opt.expert_name(p)
         deferred = not store.arrived_whole(p)
-        # In the parameter's layout at once (the recipe may give a transposed view): the view is freed
-        # as the copy returns, so one gradient's worth is alive, as autograd's layout contract leaves it.
-        grad = grad_like_param(p, _required(store.gradient(p, consume=True)))
-        opt.meter.appeared(p, grad.nbytes)
+        grad = _step_gradient(opt, p, consume=True, key=p)
         try:
             if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
             opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
         finally:
             opt.meter.freed(p)
+        del grad  # freed before the next tensor's gradient is computed: one alive at a time, not two
         names.append(name)
     err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
     opt.end_step()
@@ -410,15 +418,49 @@ def _first_pass(
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     for p in experts:
-        grad = grad_like_param(p, _required(opt.deferred.gradient(p, consume=False)))
-        opt.meter.appeared(p, grad.nbytes)
-        if scaler is not None and found_inf is not None and id(p) not in unscaled:
+        key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
+        unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
+        grad = _step_gradient(opt, p, consume=False, key=key, read_only=not unscale)
+        if unscale and scaler is not None and found_inf is not None:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)
         del grad
-        opt.meter.freed(p)
+        opt.meter.freed(key)
     return found_inf
+
+
+def _step_gradient(
+    opt: SonarOptimizer, p: Tensor, *, consume: bool, key: object, read_only: bool = False
+) -> Tensor:
+    """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
+    holds it, with what is alive beside it while it is made: one more gradient-sized tensor when pieces
+    are summed (backwards, or a gradient held and kept operands), and a layout copy's source. The
+    norm pass (`consume=False`) reads a gradient already held as one tensor in place when it only reads
+    it (`read_only`: no unscaling in place): no second copy."""
+    store, meter = opt.deferred, opt.meter
+    nbytes = p.numel() * p.element_size()
+    held = store.held(p)  # counted under `p` since it was held (`keep_whole_`, the crossover)
+    if not consume and read_only and held is not None:
+        raw = held
+    else:
+        meter.appeared(key, nbytes)
+        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
+            alive_for_a_moment(meter, nbytes)
+        raw = _required(store.gradient(p, consume=consume))
+    grad = grad_like_param(p, raw)
+    if grad is not raw:  # a layout copy: counted under `key`, with its source beside it for a moment
+        meter.appeared(key, nbytes)
+        if raw is not held:  # (a held source stays counted under `p`)
+            alive_for_a_moment(meter, nbytes)
+    return grad
+
+
+def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
+    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
+    temporary = object()
+    meter.appeared(temporary, nbytes)
+    meter.freed(temporary)
 
 
 def _required(grad: Tensor | None) -> Tensor:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.optim import added_groups, deferred, deferred_loop, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import (
@@ -108,7 +109,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.schedule = schedule
         self.experts = ExpertSet(tuple(expert_layers))
         self.stats = SonarStats()
-        self.saving = SavingGuard(resolve_on_saving_lost(on_saving_lost))
+        self.saving = SavingGuard(
+            resolve_on_saving_lost(on_saving_lost),
+            ExpertGradBytes.of(expert_layers) if expert_layers else None,
+        )
         self.compiler, self.distributed = compiler, distributed
         self.untracked: UntrackedGradients | None = None
         """Watches the model for trainable tensors no group holds (set by `prepare`)."""
@@ -308,12 +312,23 @@ class SonarOptimizer(torch.optim.Optimizer):
                 "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
             )
         refuse_before_update(self, "deferred")
-        if deferred.wanted_by_this_backward(param, name):  # plain torch would accumulate into it
-            self.deferred.add(param, name, recipe, operands)
+        if not deferred.wanted_by_this_backward(param, name):  # plain torch would not accumulate into it
+            return
+        crossed = self.deferred.crossed_over(param)
+        self.deferred.add(param, name, recipe, operands)
+        if self.deferred.crossed_over(param) and not crossed:
+            # Past the crossover: its gradient is held from now until step(), alive (and said so).
+            nbytes = param.numel() * param.element_size()
+            self.meter.appeared(param, nbytes)
+            self.saving.crossed_over(name, operand_bytes=self.deferred.crossed[name], grad_bytes=nbytes)
 
     def keep_whole_(self, param: Tensor) -> None:
-        """The deferred schedule's hook: `param.grad`, arrived whole, moved to its kept contributions."""
-        self.deferred.add_whole(param, self.expert_name(param))
+        """The deferred schedule's hook: `param.grad` arrived whole (autograd computed it; no operands
+        were kept), moved to its kept contributions: alive until step(), and the saving guard says why."""
+        name, nbytes = self.expert_name(param), param.grad.nbytes if param.grad is not None else 0
+        self.meter.appeared(param, nbytes)
+        self.saving.kept_whole(name, nbytes, compiler=self.compiler)
+        self.deferred.add_whole(param, name)
 
     def not_accumulated(self, param: Tensor, fate: GradientFate) -> None:
         """The in-graph update of `param` met a backward that adds nothing to its `.grad` (see
@@ -476,6 +491,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self.deferred.clear()
         self.loop.zero_grad()
+        if set_to_none:  # what the meter counts alive was in `.grad` or kept, freed now
+            self.meter.forget()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """`torch.nn.utils.clip_grad_norm_` over every parameter, the experts included (the deferred

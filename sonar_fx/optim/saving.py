@@ -1,4 +1,4 @@
-"""The saving guard: a compiled run that would quietly save nothing says so, or refuses to run.
+"""The saving guard: a run that would quietly save nothing (or less than half) says so, or refuses.
 
 Sonar's memory saving holds only where an expert gradient is updated as soon as it is complete. Under
 torch.compile that is the in-graph update; a gradient the compiled backward graph returns instead is
@@ -12,7 +12,14 @@ at once: exact, but no memory saved. Two guards:
 - at forward time: a prepared model whose forward ran in a graph that ANOTHER backend compiled (the
   user's own `torch.compile(model)`) holds expert tensors (`watch_compiled_forward`): every expert
   gradient of that graph comes back at once for the hooks. Warns once, or raises under "raise" (before
-  its backward, so before any weight moves), and has the meter count them alive together.
+  its backward, so before any weight moves), and has the meter count them alive together;
+- against the prediction (`ExpertGradBytes.predicted_saving`), the causes that take the saving back
+  on any path: a deferred tensor whose operands outgrow its gradient (`crossed_over`), a deferred
+  gradient autograd computed whole (`kept_whole`), expert-weight copies a gathering experts
+  implementation saves for backward (`gathered_weights`, from `watch_gathered_experts`). Each warns
+  once, at the step's end, with its cause and fix; under "raise" the path is refused where the cause is
+  found once it saves less than half of the prediction, before any weight moves.
+`saving_lost_bytes` counts every byte so lost, `saving_lost_by_cause` splits it.
 What the meter measured (`sonar_fx.runtime.meter`) is reported beside the bounds (`expert_grad_bytes`).
 This module judges and reports; it never changes where or how an update runs.
 """
@@ -26,12 +33,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
+import torch
+
 from sonar_fx.errors import SavingLostError
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.runtime.meter import ExpertGradMeter, compiled_nodes, meter_node
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    from torch import Tensor, nn
 
     from sonar_fx.experts.discovery import ExpertLayer
     from sonar_fx.optim.stats import SonarStats
@@ -67,8 +76,15 @@ class LostGradient:
 class SavingGuard:
     """The guard of one `SonarOptimizer` (see the module docstring)."""
 
-    def __init__(self, on_saving_lost: OnSavingLost) -> None:
+    def __init__(self, on_saving_lost: OnSavingLost, bounds: ExpertGradBytes | None = None) -> None:
         self.on_saving_lost = on_saving_lost
+        self.bounds = bounds
+        """The model's expert-gradient bytes: what the saving is judged against (None: not judged)."""
+        self.activations_lost = 0
+        """Bytes of the prediction that activations an experts implementation saves take back (the
+        largest estimate of any forward: `gathered_weights`)."""
+        self._warned: set[str] = set()  # the causes already warned about (each warns once)
+        self._pending: dict[str, str] = {}  # cause -> its warning, said at the end of the step
         self.lost: dict[str, LostGradient] = {}
         """Every expert gradient some compiled graph returned un-rewritten, by name."""
         self.graphs_lost = 0
@@ -81,7 +97,113 @@ class SavingGuard:
 
     @property
     def lost_bytes(self) -> int:
-        return sum(g.nbytes for g in self.lost.values())
+        """Every byte of the prediction not saved: expert gradients alive beyond one at a time (returned
+        by a graph, kept whole, crossed over) and what gathered activations take back."""
+        grads = sum(g.nbytes for g in self.lost.values())
+        if self.bounds is None:
+            return grads + self.activations_lost
+        return min(grads + self.activations_lost, self.bounds.total)
+
+    def _saves_under_half(self) -> bool:
+        """Whether what is lost leaves less than half of the predicted saving."""
+        if self.bounds is None or self.bounds.predicted_saving <= 0:
+            return False
+        return self.lost_bytes > self.bounds.predicted_saving / 2
+
+    def _saving_line(self) -> str:
+        if self.bounds is None:
+            return ""
+        predicted = self.bounds.predicted_saving
+        kept = max(predicted - self.lost_bytes, 0)
+        return (
+            f" The saving left is about {_size(kept)} of the predicted {_size(predicted)} "
+            f"({kept / max(predicted, 1):.0%})."
+        )
+
+    def _lose(self, cause: str, message: str, fix: str, tensors: Sequence[str], *, warn_always: bool) -> None:
+        """One cause of a lost saving: raises under "raise" when the path now saves less than half its
+        prediction (before any weight moves: every caller runs before the step's first update);
+        otherwise warns once per cause (`warn_always`: even when the loss is smaller), when the step
+        ends, so that the message names every tensor the step lost."""
+        under_half = self._saves_under_half()
+        if self.on_saving_lost == "raise" and under_half:
+            raise SavingLostError(
+                f"{message}{self._saving_line()} on_saving_lost='raise' refuses to train so. Fix: {fix} "
+                "Or pass on_saving_lost='warn' to train without the saving.",
+                list(tensors),
+            )
+        if cause not in self._warned and (under_half or warn_always):
+            self._pending[cause] = f"{message}{self._saving_line()} Fix: {fix}"
+
+    def crossed_over(self, name: str, *, operand_bytes: int, grad_bytes: int) -> None:
+        """The deferred schedule: `name`'s kept operands (`operand_bytes`) outgrew its gradient
+        (`grad_bytes`), which is now kept whole until `step()`."""
+        self.lost[name] = LostGradient(name=name, kind="crossover", nbytes=grad_bytes)
+        crossed = [g for g in self.lost.values() if g.kind == "crossover"]
+        message = (
+            f"sonar: schedule='deferred' keeps {len(crossed)} expert gradient(s) whole until step(), "
+            f"because their kept operands outgrew them (the crossover; {name}: operands "
+            f"{operand_bytes:,} B > gradient {grad_bytes:,} B): no memory saved for "
+            f"{_size(sum(g.nbytes for g in crossed))} of expert gradients (training stays exact)."
+        )
+        fix = (
+            "fewer tokens per step (the operands grow with the routed tokens, the gradient does not); an "
+            "experts implementation whose weight-gradient operands are per token (grouped_mm: "
+            "model.set_experts_implementation('grouped_mm'); batched_mm keeps a copy of every gathered "
+            "expert weight); or schedule='in_backward' (exact for a dense-only clip)."
+        )
+        self._lose("crossover", message, fix, [g.name for g in crossed], warn_always=False)
+
+    def kept_whole(self, name: str, nbytes: int, *, compiler: str) -> None:
+        """The deferred schedule: `name`'s gradient was computed by autograd itself (no operands were
+        kept for it), so it is kept whole until `step()`."""
+        if name in self.lost:
+            return  # explained already (a graph another backend compiled returned it)
+        self.lost[name] = LostGradient(name=name, kind="kept whole", nbytes=nbytes)
+        whole = [g.name for g in self.lost.values() if g.kind == "kept whole"]
+        whole_bytes = sum(g.nbytes for g in self.lost.values() if g.kind == "kept whole")
+        if compiler == "eager":
+            cause = (
+                "the experts' forward did not compute them with a grouped GEMM on the expert weight, which "
+                "is what the eager capture keeps operands of (experts that gather or index the weight do "
+                "not: transformers' batched_mm and eager experts, a per-expert loop), or the weight is "
+                "also read outside its GEMM (a penalty on it)"
+            )
+            fix = (
+                "model.set_experts_implementation('grouped_mm') (the default), or compile "
+                "(compiler='aot_eager' or 'inductor'), whose pass defers more producers."
+            )
+        else:
+            cause = (
+                "they were computed outside every compiled graph (a graph break), by a weight-gradient "
+                "op the pass has no recipe for, or by a use of the weight outside its GEMM (a penalty on it)"
+            )
+            fix = "remove the graph break (TORCH_LOGS=graph_breaks names it) or use grouped_mm experts."
+        message = (
+            f"sonar: schedule='deferred' kept {len(whole)} expert gradient(s) whole until step() "
+            f"({', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''}): {cause}. Training is exact, "
+            f"but no memory is saved for their {_size(whole_bytes)} (report()['deferred']['kept_whole'] "
+            "lists them)."
+        )
+        self._lose("kept whole", message, fix, whole, warn_always=True)
+
+    def gathered_weights(self, nbytes: int, *, implementation: str) -> None:
+        """The in-backward schedule: the experts implementation saves `nbytes` of gathered per-token
+        expert weights for backward, alive at its start, where the step's peak then sits."""
+        lost = min(nbytes, self.bounds.predicted_saving) if self.bounds is not None else nbytes
+        if lost <= self.activations_lost:
+            return
+        self.activations_lost = lost
+        message = (
+            f"sonar: the experts implementation {implementation!r} saves a copy of the expert weights each "
+            f"routed token uses ({_size(nbytes)} in this forward), alive when backward begins: the "
+            "step's peak sits there, where freeing expert gradients cannot lower it (training stays exact)."
+        )
+        fix = (
+            "model.set_experts_implementation('grouped_mm') (the default; it saves the tokens, not "
+            "weight copies), or fewer tokens per step."
+        )
+        self._lose("gathered weights", message, fix, [], warn_always=False)
 
     def graph_returns(self, lost: Sequence[LostGradient], *, nested: int = 0) -> None:
         """A compiled backward graph returns `lost` un-rewritten (`nested`: subgraphs of it the pass
@@ -113,21 +235,31 @@ class SavingGuard:
             )
         warnings.warn(message, stacklevel=3)
 
-    def foreign_graph(self, lost: Sequence[LostGradient]) -> None:
+    def foreign_graph(self, lost: Sequence[LostGradient], *, schedule: str = "in_backward") -> None:
         """A graph that another backend compiled returns `lost` (it holds their expert tensors): warns
         once, or raises under "raise"."""
+        self.lost.update((g.name, g) for g in lost)
         if self._warned_foreign and self.on_saving_lost == "warn":
             return
         nbytes = sum(g.nbytes for g in lost)
         shown = ", ".join(g.name for g in lost[:4]) + (" ..." if len(lost) > 4 else "")
+        then = (
+            "schedule='deferred' keeps them whole until step()"
+            if schedule == "deferred"
+            else "their hooks update them only after it returns"
+        )
         message = (
             f"sonar: the prepared model's forward ran in a graph compiled by a backend other than sonar's "
             f"(torch.compile(model) with its default or another backend), and that graph holds "
             f"{len(lost)} expert tensor(s): {shown}. Its backward returns all their gradients at once and "
-            f"their hooks update them only after it returns: no memory saved for {nbytes / MiB:.2f} MiB of "
-            "expert gradients (training stays exact). Fix: sonar_fx.compile(model, cfg) instead of "
-            "prepare + torch.compile, or torch.compile(model, backend='sonar'), whose pass updates each "
-            "expert inside the graph."
+            f"{then}: no memory saved for {nbytes / MiB:.2f} MiB of expert gradients (training stays "
+            "exact). Fix: sonar_fx.compile(model, cfg) instead of prepare + torch.compile, or "
+            "torch.compile(model, backend='sonar'), whose pass "
+            + (
+                "keeps each expert's operands inside the graph."
+                if schedule == "deferred"
+                else "updates each expert inside the graph."
+            )
         )
         if self.on_saving_lost == "raise":
             raise SavingLostError(
@@ -148,6 +280,10 @@ class SavingGuard:
         """At `step()`: `paths` maps each expert tensor updated in this step to "graph" or "hook";
         `after_graph`: the meter's count of hook updates of gradients a compiled graph returned;
         `fallbacks`: the causes of compile fallbacks so far (`report()["fallbacks"]`)."""
+        for cause, message in self._pending.items():
+            self._warned.add(cause)
+            warnings.warn(message, stacklevel=4)
+        self._pending.clear()
         returned = after_graph > self._after_graph
         self._after_graph = after_graph
         in_graph = {"graph", "deferred"} & set(paths.values())
@@ -185,11 +321,22 @@ class SavingGuard:
         )
 
     def report(self) -> dict[str, Any]:
+        causes: dict[str, int] = {}
+        for g in self.lost.values():
+            cause = g.kind if g.kind in ("crossover", "kept whole", "another backend") else "graph returns"
+            causes[cause] = causes.get(cause, 0) + g.nbytes
+        if self.activations_lost:
+            causes["gathered weights"] = self.activations_lost
         return {
             "saving_lost_bytes": self.lost_bytes,
             "saving_lost_tensors": sorted(self.lost),
+            "saving_lost_by_cause": causes,
             "graphs_saving_lost": self.graphs_lost,
         }
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / MiB:.2f} MiB" if nbytes >= MiB else f"{nbytes / 2**10:.0f} KiB"
 
 
 class _Owner(Protocol):
@@ -200,6 +347,9 @@ class _Owner(Protocol):
     stats: SonarStats
     meter: ExpertGradMeter
     saving: SavingGuard
+
+    @property
+    def expert_layers(self) -> list[ExpertLayer]: ...
 
     def owns(self, param: Tensor) -> bool: ...
 
@@ -212,7 +362,7 @@ def watch_compiled_forward(owner: _Owner, tensors: Sequence[Tensor]) -> None:
     returns, and warn (or raise, before any hook updates them) when such a graph returns expert
     gradients and no graph of this model ever came through the sonar backend. Nothing to do where
     dynamo never compiled a frame in this process (an eager run pays nothing)."""
-    if owner.compiler != "eager" or owner.schedule != "in_backward":
+    if owner.compiler != "eager":
         return
     dynamo = sys.modules.get("torch._dynamo.utils")
     if dynamo is None or not dynamo.counters["frames"]["ok"]:
@@ -227,12 +377,43 @@ def watch_compiled_forward(owner: _Owner, tensors: Sequence[Tensor]) -> None:
                         name=owner.expert_name(p), kind="another backend", nbytes=p.numel() * p.element_size()
                     )
                     for p in params
-                ]
+                ],
+                schedule=owner.schedule,
             )
 
     for node, leaves in compiled_nodes(tensors):
         if any(owner.owns(p) for p in leaves):
             meter_node(node, lambda p: owner.meter if owner.owns(p) else None, lost)
+
+
+GATHERING_IMPLEMENTATIONS = ("batched_mm",)
+"""transformers' experts implementations that gather each routed token's expert weights (`w[ids]`)
+and save the copies for backward: per token, `top_k` experts' worth of every expert tensor."""
+
+
+def watch_gathered_experts(owner: _Owner, model: nn.Module, output: Any) -> None:
+    """After a forward with grad of the in-backward schedule: the bytes of expert-weight copies a
+    gathering experts implementation saved for backward (routed slots x one expert's tensors, per layer),
+    judged against the predicted saving (`SavingGuard.gathered_weights`): they are alive when backward
+    begins, where the step's peak then sits. Before the backward, so before any update."""
+    logits = getattr(output, "logits", None)
+    if owner.schedule != "in_backward" or not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+        return
+    per_token, implementation = 0, ""
+    for layer in owner.expert_layers:
+        config = getattr(model.get_submodule(layer.name), "config", None)
+        chosen = getattr(config, "_experts_implementation", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if chosen not in GATHERING_IMPLEMENTATIONS or not isinstance(top_k, int):
+            continue
+        implementation = chosen
+        per_token += (
+            top_k
+            * sum(t.param.numel() * t.param.element_size() for t in layer.tensors)
+            // max(layer.num_experts, 1)
+        )
+    if per_token:
+        owner.saving.gathered_weights(logits.shape[:-1].numel() * per_token, implementation=implementation)
 
 
 def expert_grad_bytes(meter: ExpertGradMeter, layers: Sequence[ExpertLayer]) -> dict[str, int | None]:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
 from sonar_fx.optim.checks import refuse_fp16_autocast
-from sonar_fx.optim.saving import watch_compiled_forward
+from sonar_fx.optim.saving import watch_compiled_forward, watch_gathered_experts
 from sonar_fx.runtime.engine import GradientFate
 
 Accumulation = Literal["per_microbatch"] | None
@@ -211,6 +211,7 @@ def mark_backward_root(module: nn.Module, args: Any, output: Any) -> None:
     if not tensors:
         return
     watch_compiled_forward(owner, tensors)  # a graph another backend compiled saves nothing: say so
+    watch_gathered_experts(owner, module, output)  # nor freeing gradients under gathered weight copies
     # Read now (autocast is a forward-time state), refused when a backward begins: an fp16 forward
     # that never backwards (evaluation without no_grad) trains nothing wrong.
     # The deferred schedule joins the GradScaler's unscale and verdict at step(): fp16 is exact there.

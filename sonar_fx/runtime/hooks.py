@@ -48,11 +48,10 @@ def update_and_free(param: Tensor) -> None:
     owner = owner_of(param)
     if owner is None:
         return  # no live owner: the gradient stays in .grad, as for any plain tensor
-    meter = owner.meter
     if getattr(owner, "schedule", None) == "deferred":  # applied at step(), in the order autograd sums
-        meter.appeared(param, param.grad.nbytes)  # a whole expert gradient alive in backward: counted
-        owner.keep_whole_(param)
+        owner.keep_whole_(param)  # alive until then: counted, and the saving guard says why
         return
+    meter = owner.meter
     meter.appeared(param, param.grad.nbytes)  # AccumulateGrad ran just now: it appeared just now
     try:
         owner.update_expert_(param, param.grad, path="hook")

@@ -37,8 +37,10 @@ class ExpertGradMeter:
         self._alive: dict[int, int] = {}  # id(param) -> bytes of its gradient, while alive
         self._returned: set[int] = set()  # ids whose gradient a compiled node returned, not yet freed
 
-    def appeared(self, param: Tensor, nbytes: int) -> None:
-        """`param`'s gradient of `nbytes` exists now (a second report before its free is ignored)."""
+    def appeared(self, param: object, nbytes: int) -> None:
+        """`param`'s gradient of `nbytes` exists now (a second report before its free is ignored).
+        `param` is any object that names one gradient while it lives: the parameter for the gradient
+        it holds or is updated with, another object for a copy made beside it (the deferred step's)."""
         key = id(param)
         if key in self._alive:
             return
@@ -53,7 +55,7 @@ class ExpertGradMeter:
             self.appeared(p, p.numel() * p.element_size())
             self._returned.add(id(p))
 
-    def freed(self, param: Tensor) -> None:
+    def freed(self, param: object) -> None:
         """`param`'s gradient was freed by its update."""
         key = id(param)
         self.live -= self._alive.pop(key, 0)
