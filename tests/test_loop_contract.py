@@ -8,7 +8,6 @@ not. Models: the reference model (same expert layout as the transformers familie
 from __future__ import annotations
 
 import dataclasses
-import gc
 import warnings
 
 import pytest
@@ -18,7 +17,6 @@ import sonar_fx
 from sonar_fx import backend
 from sonar_fx.backend import sonar_backend
 from sonar_fx.models import build_model
-from sonar_fx.runtime import registry
 
 from helpers import CFG, assert_same_weights, batches
 
@@ -213,11 +211,7 @@ def test_second_backward_through_a_retained_graph_is_refused_before_any_update(c
 
 
 def test_sonar_backend_on_an_unprepared_model_warns_once(monkeypatch):
-    torch._dynamo.reset()  # its caches hold earlier tests' models, and so their optimizers' bindings
-    gc.collect()
-    # The warning's precondition is that no Sonar optimizer is alive in the process; another test on
-    # this worker (a Trainer that keeps its optimizer in a library-wide object) may still hold one.
-    monkeypatch.setattr(registry, "bound", lambda: [])
+    torch._dynamo.reset()
     monkeypatch.setattr(backend, "_warned_unprepared", False)
     model = build_model("tiny-reference", seed=0)
     compiled = torch.compile(model, backend=sonar_backend("aot_eager"))
