@@ -41,6 +41,7 @@ from torch.fx import GraphModule
 
 import sonar_fx.runtime
 from sonar_fx.experts.structure import batched_by_shape
+from sonar_fx.optim.backward_root import SONAR_BACKEND_FLAG, mark_graph_backward
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.optim.saving import LostGradient
 from sonar_fx.passes import insert_updates
@@ -156,6 +157,7 @@ def make_sonar_backend(
         owners = expert_owners(example_inputs)
         if not owners:
             warn_unprepared(unbound_expert_inputs(gm))
+        bound_inputs = list(owners)  # whatever updates them, their owners see each backward begin
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
         reduction = optimizer.distributed if optimizer is not None else None
@@ -178,12 +180,15 @@ def make_sonar_backend(
             return gm.forward
         if optimizer is not None:
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
+        if bound_inputs:
+            compiled = mark_graph_backward(compiled, bound_inputs)
         if not partitioner.returned:
             return compiled
         # Outside the fallback: a saving the user asked to be guarded is never traded for a silent one.
         guard_saving(partitioner, example_inputs, owners)
         return meter_returned_grads(compiled, [i for i, _ in partitioner.returned], meter_of)
 
+    setattr(backend, SONAR_BACKEND_FLAG, True)  # prepare's forward hook traces to nothing under it
     return backend
 
 
@@ -361,3 +366,6 @@ def sonar(
     """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
     # The owner's schedule: a model prepared with schedule="deferred" gets the deferred pass.
     return sonar_backend("inductor", schedule=None)(gm, example_inputs, mode=mode, options=options)
+
+
+setattr(sonar, SONAR_BACKEND_FLAG, True)

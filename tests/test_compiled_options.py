@@ -14,55 +14,96 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import sonar_fx
 from sonar_fx import backend
 from sonar_fx.backend import sonar_backend
-from sonar_fx.methods import Execution, Method, TrainingMethod, build_method
+from sonar_fx.errors import SavingLostError
+from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
+from sonar_fx.optim.backward_root import SONAR_BACKEND_FLAG
 from sonar_fx.runtime import registry
 
 from helpers import CFG, assert_same_weights, batches
 
-SONAR, AOT_EAGER = Method.named("sonar"), Execution(compiler="aot_eager")
-LENGTHS = (8, 12)  # one step each: a new sequence length every step
+SEQ_LENGTHS = (8, 12)  # a new sequence length at each step (dynamic shapes)
+SAME_LENGTHS = (16, 16)  # one graph for every step (graph counts)
 
 
-def _steps():
-    return [batches(1, seq=n, seed=n)[0] for n in LENGTHS]
+def steps(lengths):
+    """One batch of each length: two steps."""
+    return [batches(1, seq=n, seed=i)[0] for i, n in enumerate(lengths)]
 
 
-def _twin(run, model_name="tiny-reference"):
-    """The twin: a model never prepared, run through `run(model)` (its compiled forward or training
-    function, returning the loss), torch AdamW(fused=True), dense gradients clipped; trained on `_steps()`."""
+def loss_of(model):
+    """A user's training function: the model's logits, the loss computed here."""
+
+    def train_fn(batch):
+        logits = model(input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    return train_fn
+
+
+def model_loss(model):
+    """The model's own loss (for a compiled model)."""
+    return lambda batch: model(**batch).loss
+
+
+def twin(run, lengths, model_name="tiny-reference"):
+    """The twin: a model never prepared, trained through `run(model)` (a function of a batch that returns
+    the loss), torch AdamW(fused=True) over every tensor, dense gradients clipped."""
     torch._dynamo.reset()
     model = build_model(model_name, dtype=torch.bfloat16, seed=0)
     method = build_method("standard_no_expert_clip", model, CFG)
-    method.model = run(model)
-    for b in _steps():
-        method.train_step(b)
+    train_fn = run(model)
+    for b in steps(lengths):
+        train_fn(b).backward()
+        method.optimizer_step()
     return model
 
 
-def _sonar(run, model_name="tiny-reference", **compile_kwargs):
-    """A Sonar model (compiled with `compile_kwargs`, else prepared) run through `run(model)` and trained
-    on `_steps()`; returns it and its optimizer's report."""
+def sonar(run, lengths, model_name="tiny-reference", **compile_kwargs):
+    """The same through Sonar: the model compiled by `sonar_fx.compile(**compile_kwargs)`, or prepared
+    when none are given; returns it and its optimizer's report."""
     torch._dynamo.reset()
     model = build_model(model_name, dtype=torch.bfloat16, seed=0)
-    if compile_kwargs:
-        opt = sonar_fx.compile(model, CFG, **compile_kwargs).sonar
-    else:
-        opt = sonar_fx.prepare(model, CFG)
-    method = TrainingMethod(SONAR, AOT_EAGER, run(model), opt)
-    for b in _steps():
-        method.train_step(b)
+    opt = (
+        sonar_fx.compile(model, CFG, **compile_kwargs).sonar
+        if compile_kwargs
+        else sonar_fx.prepare(model, CFG)
+    )
+    train_fn = run(model)
+    for b in steps(lengths):
+        train_fn(b).backward()
+        opt.step()
+        opt.zero_grad()
     return model, opt.report()
 
 
-def _in_graph_every_step(report, experts=4):
+def compiled_with(backend, train_of=loss_of, **torch_compile_kwargs):
+    """A `run` for `twin` and `sonar`: the model's training function, torch.compile'd."""
+    return lambda model: torch.compile(train_of(model), backend=backend, **torch_compile_kwargs)
+
+
+def counted(graphs, compiler="aot_eager", backend=None):
+    """The sonar backend for `compiler` (or the dynamo backend named `backend`), appending each graph's
+    example inputs to `graphs`; it delegates to a sonar backend, so it is one."""
+    compile_graph = sonar_backend(compiler) if backend is None else torch._dynamo.lookup_backend(backend)
+
+    def count(gm, example_inputs, **kwargs):
+        graphs.append(list(example_inputs))
+        return compile_graph(gm, example_inputs, **kwargs)
+
+    setattr(count, SONAR_BACKEND_FLAG, backend is None)
+    return count
+
+
+def in_graph_every_step(report, steps=2, experts=4):
     """Every expert update of every step ran in a graph; no hook, no fallback."""
     counts = (report["updates_in_graph"], report["updates_by_hook"], report["fallbacks"])
-    return counts == (len(LENGTHS) * experts, 0, [])
+    return counts == (steps * experts, 0, [])
 
 
 # 1 ---------------------------------------------------------------------------------- dynamic=True
@@ -73,21 +114,57 @@ def test_dynamic_shapes_keep_every_update_in_the_graph_bitwise():
     """dynamic=True makes dynamo restart tracing (TensorifyScalarRestartAnalysis) from inside the
     backend: that signal passes through, so no graph falls back to the hooks; bitwise to the twin
     compiled with the same dynamic=True."""
-    twin = _twin(lambda m: torch.compile(m, backend="aot_eager", dynamic=True))
-    model, report = _sonar(lambda m: m, compiler="aot_eager", dynamic=True)
-    assert _in_graph_every_step(report), report
+    reference = twin(lambda m: model_loss(torch.compile(m, backend="aot_eager", dynamic=True)), SEQ_LENGTHS)
+    model, report = sonar(model_loss, SEQ_LENGTHS, compiler="aot_eager", dynamic=True)
+    assert in_graph_every_step(report), report
     assert report["recompiles"] == 0  # one dynamic graph serves every length
-    assert_same_weights(model, twin)
+    assert_same_weights(model, reference)
 
 
-def _counted(graphs, compiler="aot_eager"):
-    """The sonar backend, appending each graph's example inputs to `graphs`."""
+# 3, 4 ------------------------------------------------------------- a user's compiled training function
 
-    def count(gm, example_inputs, **kwargs):
-        graphs.append(list(example_inputs))
-        return sonar_backend(compiler)(gm, example_inputs, **kwargs)
 
-    return count
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_compiled_training_function_is_one_graph_as_its_twin_bitwise(fullgraph):
+    """prepare's forward hook traces to nothing under the sonar backend: the user's training function
+    (model and loss) is one graph, as its twin's, and fullgraph=True runs."""
+    twin_graphs, graphs = [], []
+    reference = twin(compiled_with(counted(twin_graphs, backend="aot_eager")), SAME_LENGTHS)
+    model, report = sonar(compiled_with(counted(graphs), fullgraph=fullgraph), SAME_LENGTHS)
+    assert len(graphs) == len(twin_graphs) == 1
+    assert in_graph_every_step(report), report
+    assert_same_weights(model, reference)
+
+
+def test_a_compiled_training_function_still_marks_where_each_backward_begins():
+    """The hook's job moves to the graph: a second backward before step() is refused by Sonar before
+    its graph runs, and nothing moves (without the mark, torch's in-place version check would stop it
+    part-way, after some updates)."""
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0)
+    opt = sonar_fx.prepare(model, CFG)
+    train_fn = torch.compile(loss_of(model), backend=sonar_backend("aot_eager"), fullgraph=True)
+    batch = steps(SAME_LENGTHS)[0]
+    train_fn(batch).backward()
+    assert opt.tracker.backwards == 1
+    loss = train_fn(batch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(sonar_fx.SonarUsageError, match="a second backward began"):
+        loss.backward()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_another_backend_still_breaks_the_graph_to_watch_it():
+    """Negative control: under a backend that is not sonar's the hook stays a graph break (two graphs),
+    so the saving guard still sees the foreign graph (the suite raises on a lost saving)."""
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0)
+    sonar_fx.prepare(model, CFG)
+    graphs = []
+    train_fn = torch.compile(loss_of(model), backend=counted(graphs, backend="aot_eager"))
+    with pytest.raises(SavingLostError, match="backend other than sonar"):
+        train_fn(steps(SAME_LENGTHS)[0]).backward()
+    assert len(graphs) == 2
 
 
 def _holds_params(example_inputs):
@@ -114,7 +191,7 @@ def test_unprepared_warning_depends_on_the_graphs_own_experts_not_on_other_model
     assert registry.owner_of(opt.experts.params[0]) is opt
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train = torch.compile(_forward_then_graph_break(policy), backend=_counted(graphs := []))
+        train = torch.compile(_forward_then_graph_break(policy), backend=counted(graphs := []))
         train(batches(1)[0]).backward()
     assert not [w for w in caught if "sonar backend" in str(w.message)]
     assert [_holds_params(inputs) for inputs in graphs] == [True, False]  # the model; its loss alone
