@@ -20,6 +20,8 @@ import sonar_fx
 from sonar_fx import backend
 from sonar_fx.backend import sonar_backend
 from sonar_fx.errors import SavingLostError
+from sonar_fx.experts.discovery import discover_experts
+from sonar_fx.memory import measure_peak
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.backward_root import SONAR_BACKEND_FLAG
@@ -119,6 +121,75 @@ def test_dynamic_shapes_keep_every_update_in_the_graph_bitwise():
     assert in_graph_every_step(report), report
     assert report["recompiles"] == 0  # one dynamic graph serves every length
     assert_same_weights(model, reference)
+
+
+# 2 ---------------------------------------------------------------- a compile around a Sonar-compiled model
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_experts=32, num_layers=4)  # experts dominate
+
+
+def trained_measuring_the_last_step(train_step, model):
+    """Three steps (seq 32); the peak memory of the last, measured while it ran."""
+    data = batches(3, seq=32)
+    for b in data[:2]:
+        train_step(b)
+    _, peak = measure_peak(lambda: train_step(data[2]))
+    return model, peak.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def outer_twin():
+    """The twin under the same outer compile: (trained model, last step's peak, expert layers)."""
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0, **SHAPE)
+    method = build_method("standard_no_expert_clip", model, CFG)
+    outer = torch.compile(model, backend="aot_eager")
+
+    def train_step(batch):
+        outer(**batch).loss.backward()
+        method.optimizer_step()
+
+    return (*trained_measuring_the_last_step(train_step, model), discover_experts(model))
+
+
+@pytest.mark.parametrize("wrapped", ["model", "function"])
+def test_a_compile_around_a_sonar_compiled_model_is_served_by_the_pass(wrapped, outer_twin):
+    """`torch.compile(model)` (another backend) over `sonar_fx.compile(model)`, or over a function that
+    calls it: the Sonar-compiled forward runs as its own graph (a graph break in the outer one), so the
+    pass updates every expert in its backward. Bitwise to the twin under the same outer compile; the
+    step's measured peak holds the saving, as the meter's figure does."""
+    twin_model, twin_peak, layers = outer_twin
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0, **SHAPE)
+    opt = sonar_fx.compile(model, CFG, compiler="aot_eager").sonar
+    outer = torch.compile(model if wrapped == "model" else model_loss(model), backend="aot_eager")
+
+    def train_step(batch):
+        (outer(**batch).loss if wrapped == "model" else outer(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, peak = trained_measuring_the_last_step(train_step, model)
+    assert_same_weights(model, twin_model)
+    report = opt.report()
+    assert in_graph_every_step(report, steps=3, experts=2 * SHAPE["num_layers"]), report
+    predicted = sum(layer.grad_bytes() for layer in layers) - max(layer.grad_bytes() for layer in layers)
+    assert twin_peak - peak >= 0.9 * predicted, (twin_peak, peak, predicted)
+    measured = report["expert_grad_bytes"]
+    assert 0 < measured["measured_peak"] <= measured["one_layer"] and report["saving_lost_bytes"] == 0
+
+
+def test_a_fullgraph_compile_around_a_sonar_compiled_model_is_refused_before_it_runs():
+    """fullgraph=True cannot break the outer graph: dynamo refuses at trace time, before any forward,
+    with the reason that names the fix."""
+    torch._dynamo.reset()
+    model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0)
+    sonar_fx.compile(model, CFG, compiler="aot_eager")
+    outer = torch.compile(model, backend="aot_eager", fullgraph=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="compile your function with backend='sonar'"):
+        outer(**batches(1)[0])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 # 3, 4 ------------------------------------------------------------- a user's compiled training function
