@@ -90,13 +90,14 @@ def compiled_with(backend, train_of=loss_of, **torch_compile_kwargs):
 
 
 def counted(graphs, compiler="aot_eager", backend=None):
-    """The sonar backend for `compiler` (or the dynamo backend named `backend`), appending each graph's
-    example inputs to `graphs`; it delegates to a sonar backend, so it is one."""
+    """The sonar backend for `compiler` (or the dynamo backend named `backend`), appending the example
+    inputs of each graph it compiled to `graphs`; delegating to a sonar backend, it is one."""
     compile_graph = sonar_backend(compiler) if backend is None else torch._dynamo.lookup_backend(backend)
 
     def count(gm, example_inputs, **kwargs):
-        graphs.append(list(example_inputs))
-        return compile_graph(gm, example_inputs, **kwargs)
+        compiled = compile_graph(gm, example_inputs, **kwargs)
+        graphs.append(list(example_inputs))  # compiled: not a trace dynamo restarts (dynamic=True)
+        return compiled
 
     setattr(count, SONAR_BACKEND_FLAG, backend is None)
     return count

@@ -50,11 +50,7 @@ def _mark_backward_root(module: nn.Module, output: Any) -> None:
     watch_compiled_forward(owner, tensors)  # a graph another backend compiled saves nothing: say so
     fp16 = _fp16_devices(owner)
 
-    def began(_: Any) -> None:
-        refuse_fp16_autocast(fp16)
-        owner.backward_began()
-
-    torch.autograd.graph.register_multi_grad_hook(tensors, began, mode="any")
+    torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: _began([(owner, fp16)]), mode="any")
 
 
 @torch._dynamo.assume_constant_result
@@ -90,10 +86,14 @@ def mark_graph_backward(compiled: Callable[..., Any], expert_indices: Sequence[i
 
 
 def _began(marks: list[tuple[Any, set[str]]]) -> None:
+    """A backward reached marked outputs: tell each (owner, its fp16 autocast devices) it began, unless
+    another mark already told it of this same beginning (the model's hook and its graph's mark both see
+    the first gradient, before any update; a mark reached after updates is a new beginning to judge)."""
     for owner, fp16 in marks:
         refuse_fp16_autocast(fp16)
         tracker = owner.tracker
-        if not (tracker.rooted and tracker.open_task == torch._C._current_graph_task_id()):
+        task = torch._C._current_graph_task_id()
+        if not (tracker.rooted and tracker.open_task == task and not tracker.updated):
             owner.backward_began()
 
 
