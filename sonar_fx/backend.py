@@ -25,6 +25,7 @@ Before the pass, an expert weight the partition did not save is handed to the ba
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -57,12 +58,12 @@ BackendCompiler = Literal["inductor", "aot_eager"]
 Options = dict[str, Any] | None
 """`torch.compile(options=...)`: inductor settings by name."""
 BackwardPass = Callable[..., GraphModule]
+"""`(bw_gm, *, fw_gm, expert_inputs) -> bw_gm`: the production pass, or an ablation in tests."""
 DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
 """Exceptions a backend raises to tell dynamo to trace again (`dynamic=True` tensorifies a float
 scalar and restarts with `TensorifyScalarRestartAnalysis`) or to run the frame uncompiled: dynamo's
 control flow, passed through, never taken for a compiler failure (a fallback would run the whole graph
 eagerly, on the hooks, for what is only a request to trace it once more)."""
-"""`(bw_gm, *, fw_gm, expert_inputs) -> bw_gm`: the production pass, or an ablation in tests."""
 
 _SOURCES = (
     *sorted(str(p) for p in Path(insert_updates.__file__).parent.glob("*.py")),
@@ -238,8 +239,10 @@ def unbound_expert_inputs(gm: GraphModule) -> list[str]:
         source, value = getattr(arg, "source", None), getattr(arg, "example", None)
         if source is None or not isinstance(value, nn.Parameter) or isinstance(value, FakeTensor):
             continue
-        name = source.name
-        module = name.rpartition("._parameters[")[0] or name.rpartition(".")[0]
+        # L['self']._modules['mlp']._parameters['w'] (modules inlined) or L['self'].mlp.w: "mlp.w"
+        name = re.sub(r"\._(?:modules|parameters)\['([^']*)'\]", r".\1", source.name)
+        name = re.sub(r"^L\['[^']*'\]\.?", "", name)
+        module = name.rpartition(".")[0]
         by_module.setdefault(module, {})[name] = tuple(value.shape)
     return [name for shapes in by_module.values() for name in batched_by_shape(shapes)]
 

@@ -74,26 +74,31 @@ def mark_graph_backward(compiled: Callable[..., Any], expert_indices: Sequence[i
     def run(*args: Any) -> Any:
         # Dynamo calls with the inputs, or with one list of them (boxed) that the callee empties.
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
-        owners = {id(o): o for i in expert_indices if (o := registry.owner_of(inputs[i])) is not None}
+        found = (registry.owner_of(inputs[i]) for i in expert_indices)
+        owners = {id(o): o for o in found if hasattr(o, "backward_began")}  # a Sonar optimizer
         outputs = compiled(*args)
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
-        if owners and tensors and torch.is_grad_enabled():
+        # A forward run inside a backward (activation checkpointing's recompute) begins no backward.
+        if owners and tensors and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             marks = [(owner, _fp16_devices(owner)) for owner in owners.values()]
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: _began(marks), mode="any")
+            began = lambda _: _began(marks, graph=True)  # noqa: E731
+            torch.autograd.graph.register_multi_grad_hook(tensors, began, mode="any")
         return outputs
 
     return run
 
 
-def _began(marks: list[tuple[Any, set[str]]]) -> None:
+def _began(marks: list[tuple[Any, set[str]]], *, graph: bool = False) -> None:
     """A backward reached marked outputs: tell each (owner, its fp16 autocast devices) it began, unless
-    another mark already told it of this same beginning (the model's hook and its graph's mark both see
-    the first gradient, before any update; a mark reached after updates is a new beginning to judge)."""
+    that was told already in this backward: for a graph's mark, by anything (the model's hook, or the
+    mark of a graph nearer the loss, whose updates may have run); for the model's hook, by a graph's
+    mark of the same outputs, with nothing updated since (the hook's own second sighting, a second
+    forward's outputs, stays the tracker's to judge)."""
     for owner, fp16 in marks:
         refuse_fp16_autocast(fp16)
         tracker = owner.tracker
-        task = torch._C._current_graph_task_id()
-        if not (tracker.rooted and tracker.open_task == task and not tracker.updated):
+        told = tracker.rooted and tracker.open_task == torch._C._current_graph_task_id()
+        if not (told and (graph or not tracker.updated)):
             owner.backward_began()
 
 
