@@ -196,12 +196,18 @@ def test_a_fullgraph_compile_around_a_sonar_compiled_model_is_refused_before_it_
 # 3, 4 ------------------------------------------------------------- a user's compiled training function
 
 
+@pytest.fixture(scope="module")
+def train_fn_twin():
+    """The twin of a compiled training function: (trained model, the graphs it compiled)."""
+    twin_graphs = []
+    return twin(compiled_with(counted(twin_graphs, backend="aot_eager")), SAME_LENGTHS), twin_graphs
+
+
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_a_compiled_training_function_is_one_graph_as_its_twin_bitwise(fullgraph):
+def test_a_compiled_training_function_is_one_graph_as_its_twin_bitwise(fullgraph, train_fn_twin):
     """prepare's forward hook traces to nothing under the sonar backend: the user's training function
     (model and loss) is one graph, as its twin's, and fullgraph=True runs."""
-    twin_graphs, graphs = [], []
-    reference = twin(compiled_with(counted(twin_graphs, backend="aot_eager")), SAME_LENGTHS)
+    (reference, twin_graphs), graphs = train_fn_twin, []
     model, report = sonar(compiled_with(counted(graphs), fullgraph=fullgraph), SAME_LENGTHS)
     assert len(graphs) == len(twin_graphs) == 1
     assert in_graph_every_step(report), report
@@ -209,9 +215,9 @@ def test_a_compiled_training_function_is_one_graph_as_its_twin_bitwise(fullgraph
 
 
 def test_a_compiled_training_function_still_marks_where_each_backward_begins():
-    """The hook's job moves to the graph: a second backward before step() is refused by Sonar before
-    its graph runs, and nothing moves (without the mark, torch's in-place version check would stop it
-    part-way, after some updates)."""
+    """The hook's job moves to the graph: a second backward before step() is refused as such when it
+    begins, before its graph runs, and nothing moves (without the mark it would be taken for
+    accumulation at its first update)."""
     torch._dynamo.reset()
     model = build_model("tiny-reference", dtype=torch.bfloat16, seed=0)
     opt = sonar_fx.prepare(model, CFG)
