@@ -19,13 +19,13 @@ from sonar_fx.compiled import compile_forward_, repeated_blocks
 from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
+from sonar_fx.optim.backward_root import mark_backward_root
 from sonar_fx.optim.defer_eager import register_defer_hooks
 from sonar_fx.optim.deferred_loop import ZeroGradWithKept
 from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, Schedule, SonarOptimizer
 from sonar_fx.optim.reduction import GradReduction
 from sonar_fx.optim.saving import OnSavingLost
-from sonar_fx.optim.step_tracker import mark_backward_root
 from sonar_fx.optim.untracked import UntrackedGradients
 
 Compiler = Literal["inductor", "aot_eager", "eager"]

@@ -15,6 +15,9 @@ that reduces after the graph (FSDP2) keeps its experts out of the pass, for the 
 The saving guard: each expert gradient a backward graph still returns after the pass (its hook would
 update it after the whole graph, saving nothing) is reported to its owner, which warns or raises, and
 the compiled function is wrapped so that the owner's meter sees those gradients alive together.
+Dynamo's own control flow raised inside the backend (a restart of the trace under `dynamic=True`) is
+passed through, never taken for a failure. A graph holding batched expert tensors that no optimizer
+owns (a model never prepared) warns once.
 Before the pass, an expert weight the partition did not save is handed to the backward graph
 (`save_expert_params`), so that its update can bind to it.
 """
@@ -22,6 +25,7 @@ Before the pass, an expert weight the partition did not save is handed to the ba
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -29,6 +33,7 @@ from typing import Any, Literal, cast
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
+from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
@@ -36,6 +41,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
 import sonar_fx.runtime
+from sonar_fx.experts.structure import batched_by_shape
+from sonar_fx.optim.backward_root import SONAR_BACKEND_FLAG, mark_graph_backward
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.optim.saving import LostGradient
 from sonar_fx.passes import insert_updates
@@ -52,6 +59,11 @@ Options = dict[str, Any] | None
 """`torch.compile(options=...)`: inductor settings by name."""
 BackwardPass = Callable[..., GraphModule]
 """`(bw_gm, *, fw_gm, expert_inputs) -> bw_gm`: the production pass, or an ablation in tests."""
+DYNAMO_SIGNALS = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame)
+"""Exceptions a backend raises to tell dynamo to trace again (`dynamic=True` tensorifies a float
+scalar and restarts with `TensorifyScalarRestartAnalysis`) or to run the frame uncompiled: dynamo's
+control flow, passed through, never taken for a compiler failure (a fallback would run the whole graph
+eagerly, on the hooks, for what is only a request to trace it once more)."""
 
 _SOURCES = (
     *sorted(str(p) for p in Path(insert_updates.__file__).parent.glob("*.py")),
@@ -145,7 +157,8 @@ def make_sonar_backend(
         """`mode` and `options` are `torch.compile`'s, which hands them to a callable backend."""
         owners = expert_owners(example_inputs)
         if not owners:
-            warn_unprepared()
+            warn_unprepared(unbound_expert_inputs(gm))
+        bound_inputs = list(owners)  # whatever updates them, their owners see each backward begin
         optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
         reduction = optimizer.distributed if optimizer is not None else None
@@ -159,6 +172,8 @@ def make_sonar_backend(
         try:
             patches = _inductor_patches(compiler, mode, options)
             compiled = _compile(gm, example_inputs, compiler, partitioner if owners else None, patches)
+        except DYNAMO_SIGNALS:
+            raise  # dynamo restarts tracing (or skips the frame) itself: not a failure
         except Exception as err:
             if not fallback or optimizer is None:
                 raise
@@ -166,12 +181,15 @@ def make_sonar_backend(
             return gm.forward
         if optimizer is not None:
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
+        if bound_inputs:
+            compiled = mark_graph_backward(compiled, bound_inputs)
         if not partitioner.returned:
             return compiled
         # Outside the fallback: a saving the user asked to be guarded is never traded for a silent one.
         guard_saving(partitioner, example_inputs, owners)
         return meter_returned_grads(compiled, [i for i, _ in partitioner.returned], meter_of)
 
+    setattr(backend, SONAR_BACKEND_FLAG, True)  # prepare's forward hook traces to nothing under it
     return backend
 
 
@@ -190,22 +208,43 @@ def schedule_pass(
 _warned_unprepared = False
 
 
-def warn_unprepared() -> None:
-    """Once per process: a graph came to the sonar backend while no expert tensor is bound to any Sonar
-    optimizer (the model was never prepared), so it compiles as plain AOTAutograd and nothing is
-    updated in backward. A prepared model's graphs without experts (the loss after a graph break) are
-    not this: its optimizer is alive and bound."""
+def warn_unprepared(unbound: Sequence[str]) -> None:
+    """Once per process: a graph came to the sonar backend holding batched expert tensors (`unbound`,
+    `unbound_expert_inputs`) that no Sonar optimizer owns (the model was never prepared), so it compiles
+    as plain AOTAutograd and nothing is updated in backward. Decided by the graph's own tensors, whatever
+    else is alive: a prepared model beside it changes nothing, and a graph holding no expert tensor (a
+    prepared model's loss after a graph break) is not this."""
     global _warned_unprepared
-    if _warned_unprepared or registry.bound():
+    if _warned_unprepared or not unbound:
         return
     _warned_unprepared = True
+    shown = ", ".join(unbound[:2]) + (f" and {len(unbound) - 2} more" if len(unbound) > 2 else "")
     warnings.warn(
-        "sonar backend: no expert tensor of this graph is bound to a Sonar optimizer (and none is alive), "
-        "so it compiles as a plain torch.compile and no expert is updated in backward. Call "
-        "opt = sonar_fx.prepare(model, cfg) before torch.compile(model, backend='sonar'), or use "
-        "sonar_fx.compile(model, cfg).",
+        f"sonar backend: this graph holds {len(unbound)} batched expert tensor(s) that no Sonar optimizer "
+        f"owns ({shown}), so it compiles as a plain torch.compile and none of them is updated in backward. "
+        "Call opt = sonar_fx.prepare(model, cfg) before torch.compile(model, backend='sonar'), or use "
+        "sonar_fx.compile(model, cfg); a model you do not train with Sonar needs no sonar backend.",
         stacklevel=2,
     )
+
+
+def unbound_expert_inputs(gm: GraphModule) -> list[str]:
+    """The parameter inputs of dynamo's graph `gm` that their module holds as batched experts, judged
+    by shape alone (`batched_by_shape`, the discovery rule for a module that declares no expert count:
+    the graph has no modules, only each input's source, which names the module it was read from). The
+    caller asks only when none of the graph's inputs is a bound expert tensor."""
+    by_module: dict[str, dict[str, tuple[int, ...]]] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        source, value = getattr(arg, "source", None), getattr(arg, "example", None)
+        if source is None or not isinstance(value, nn.Parameter) or isinstance(value, FakeTensor):
+            continue
+        # L['self']._modules['mlp']._parameters['w'] (modules inlined) or L['self'].mlp.w: "mlp.w"
+        name = re.sub(r"\._(?:modules|parameters)\['([^']*)'\]", r".\1", source.name)
+        name = re.sub(r"^L\['[^']*'\]\.?", "", name)
+        module = name.rpartition(".")[0]
+        by_module.setdefault(module, {})[name] = tuple(value.shape)
+    return [name for shapes in by_module.values() for name in batched_by_shape(shapes)]
 
 
 def guard_saving(
@@ -330,3 +369,6 @@ def sonar(
     """`torch.compile(model, backend="sonar")` after `sonar_fx.prepare(model, cfg)`: inductor + the pass."""
     # The owner's schedule: a model prepared with schedule="deferred" gets the deferred pass.
     return sonar_backend("inductor", schedule=None)(gm, example_inputs, mode=mode, options=options)
+
+
+setattr(sonar, SONAR_BACKEND_FLAG, True)

@@ -64,6 +64,8 @@ class CompiledForward:
 
     def run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         """The compiled forward of `module` (this module, or one rebinding `__func__` to itself)."""
+        if torch.compiler.is_compiling():
+            return _run_outside_outer_compile(self, module, *args, **kwargs)
         if self.runs_eagerly:
             return self.eager_forward(module, *args, **kwargs)
         if torch.is_grad_enabled() and (optimizer := self._optimizer()) is not None:
@@ -131,6 +133,21 @@ class CompiledForward:
         # Rebuilt, never copied: a copy compiled for the copied module (deepcopy maps `self.module` to it).
         settings = (self.compiler, self.fallback, self.dynamo_config, self.torch_compile_kwargs)
         return (_rebuild, (self.module, *settings))
+
+
+@torch.compiler.disable(
+    reason="a model compiled by sonar_fx.compile runs its own compiled forward (the sonar backend's graph, "
+    "which updates the experts in backward), never traced into an outer torch.compile: compile the model "
+    "once, with sonar_fx.compile, or prepare it and compile your function with backend='sonar'"
+)
+def _run_outside_outer_compile(
+    compiled: CompiledForward, module: nn.Module, *args: Any, **kwargs: Any
+) -> Any:
+    """An outer `torch.compile` (of the model, or of a function that calls it) traced into this forward:
+    a graph break here runs the forward as compiled by the sonar backend, whose pass updates every expert
+    inside its backward; traced into the outer graph, every expert gradient would come back at once for
+    the hooks, saving nothing. Under the outer compile's `fullgraph=True` dynamo raises, naming this."""
+    return compiled.run(module, *args, **kwargs)
 
 
 def _saving_lost(err: BaseException) -> SavingLostError | None:

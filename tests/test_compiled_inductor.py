@@ -15,6 +15,7 @@ from sonar_fx.methods import Execution, Method, TrainingMethod, build_method
 from sonar_fx.models import build_model
 
 from helpers import CFG, assert_same_weights, batches, trained
+from test_compiled_options import SEQ_LENGTHS, compiled_with, counted, in_graph_every_step, sonar, twin
 
 pytestmark = pytest.mark.slow
 CASES = [("tiny-olmoe", torch.bfloat16), ("tiny-olmoe", torch.float32), ("tiny-granitemoe", torch.bfloat16)]
@@ -99,3 +100,17 @@ def test_compiled_pass_saves_at_least_90_percent_of_the_prediction():
     sonar, _ = _compiled_step_peak("sonar")
     predicted = sum(layer.grad_bytes() for layer in layers) - max(layer.grad_bytes() for layer in layers)
     assert standard - sonar >= 0.9 * predicted, (standard, sonar, predicted)
+
+
+def test_a_compiled_training_function_with_dynamic_shapes_equals_its_twin():
+    """Issue 43 under inductor, where bits can differ: a user's training function (model and loss)
+    compiled with backend sonar and dynamic=True is one graph as its twin's (prepare's hook breaks
+    nothing; dynamo's restart passes through the backend), every update in the graph, bitwise."""
+    twin_graphs, graphs = [], []
+    twin_fn = compiled_with(counted(twin_graphs, backend="inductor"), dynamic=True)
+    reference = twin(twin_fn, SEQ_LENGTHS, model_name="tiny-olmoe")
+    sonar_fn = compiled_with(counted(graphs, compiler="inductor"), dynamic=True)
+    model, report = sonar(sonar_fn, SEQ_LENGTHS, model_name="tiny-olmoe")
+    assert len(graphs) == len(twin_graphs) == 1
+    assert in_graph_every_step(report), report
+    assert_same_weights(model, reference)

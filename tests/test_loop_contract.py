@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import warnings
 
 import pytest
@@ -19,7 +18,8 @@ import sonar_fx
 from sonar_fx import backend
 from sonar_fx.backend import sonar_backend
 from sonar_fx.models import build_model
-from sonar_fx.runtime import registry, update_op
+from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
+from sonar_fx.runtime import update_op
 
 from helpers import (
     CFG,
@@ -225,11 +225,7 @@ def test_second_backward_through_a_retained_graph_is_refused_before_any_update(c
 
 
 def test_sonar_backend_on_an_unprepared_model_warns_once(monkeypatch):
-    torch._dynamo.reset()  # its caches hold earlier tests' models, and so their optimizers' bindings
-    gc.collect()
-    # The warning's precondition is that no Sonar optimizer is alive in the process; another test on
-    # this worker (a Trainer that keeps its optimizer in a library-wide object) may still hold one.
-    monkeypatch.setattr(registry, "bound", lambda: [])
+    torch._dynamo.reset()
     monkeypatch.setattr(backend, "_warned_unprepared", False)
     model = build_model("tiny-reference", seed=0)
     compiled = torch.compile(model, backend=sonar_backend("aot_eager"))
@@ -391,9 +387,10 @@ def _lr_loop(model, opt, *, sonar, lr_after_backward):
 
 
 @pytest.mark.parametrize("schedule", ["in_backward", "deferred"])
-def test_lr_set_where_the_schedule_reads_it_is_exact(schedule):
+def test_lr_set_where_the_schedule_reads_it_is_exact(schedule, monkeypatch):
     """The fix the refusal names (the LR set before the forward), and the deferred schedule, which
     reads the LR at step(), with the LR set right before step(): each equal to plain torch."""
+    monkeypatch.setenv(ON_SAVING_LOST_ENV, "warn")  # kept whole (below): warned, not refused
     after = schedule == "deferred"
     model = _model("eager", schedule=schedule)
     # The reference model's eager experts are not captured: their gradients are kept whole (said once).

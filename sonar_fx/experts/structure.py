@@ -97,11 +97,7 @@ def _batched(module: nn.Module, counts: set[int]) -> Found | None:
     if counts:
         kept = {a: p for a, p in three_d.items() if p.shape[0] in counts}
     else:
-        by_lead: dict[int, list[str]] = {}
-        for a, p in three_d.items():
-            by_lead.setdefault(int(p.shape[0]), []).append(a)
-        groups = [names for lead, names in by_lead.items() if lead >= 2 and len(names) >= 2]
-        kept = {a: three_d[a] for a in groups[0]} if len(groups) == 1 else {}
+        kept = {a: three_d[a] for a in batched_by_shape({a: tuple(p.shape) for a, p in three_d.items()})}
     if not kept:
         return None
     leads = {int(p.shape[0]) for p in kept.values()}
@@ -115,6 +111,17 @@ def _batched(module: nn.Module, counts: set[int]) -> Found | None:
         notes.append(f"{e} computing experts; {extra} (zero-computation experts), updated whole")
     kind = "parallel_linear" if len(kept) == 1 else "batched"
     return Found(kind, e, weights, biases, tuple(notes))
+
+
+def batched_by_shape(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The tensors that one module with no declared expert count holds as batched experts, from their
+    shapes alone: its 3-D tensors, when exactly one leading dimension >= 2 is shared by two or more."""
+    by_lead: dict[int, list[str]] = {}
+    for name, shape in shapes.items():
+        if len(shape) == 3:
+            by_lead.setdefault(int(shape[0]), []).append(name)
+    groups = [names for lead, names in by_lead.items() if lead >= 2 and len(names) >= 2]
+    return groups[0] if len(groups) == 1 else []
 
 
 def _fused_2d(module: nn.Module, counts: set[int]) -> Found | None:

@@ -368,7 +368,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.stats.record_update(name, path, calls=calls)
 
     def backward_began(self) -> None:
-        """A backward reached the model's outputs (`step_tracker.mark_backward_root`): await its end."""
+        """A backward reached the model's outputs (`backward_root`): await its end."""
         self.tracker.backward_began()
         deferred_loop.backward_began(self)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)

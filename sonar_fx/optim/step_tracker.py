@@ -1,35 +1,30 @@
 """The step in progress: which expert tensors it updated, in which backward, and whether that ended.
 
-An in-backward update cannot be taken back, so the optimizer must know exactly what a step has done.
-A backward through the prepared model starts at its outputs: a hook there (`mark_backward_root`, a
-forward hook of the model) tells the tracker, in the outermost graph task, that a backward began, and
-the optimizer queues a callback on that task, which autograd runs only when the whole backward
-finishes, so a backward that raised leaves it open. Without that hook (a submodule called directly),
-backwards are told apart by autograd's graph-task id and the callback is queued at the first update.
-Graph-task ids alone would be wrong for a backward that runs nested backwards (reentrant checkpointing
-runs each layer's backward as its own task inside the outer one): the first nested task to finish would
-look like the end of the step. From that the tracker tells apart: gradient accumulation (a second
-backward before `step()`), one tensor updated twice in ONE backward (a module that runs twice per
-forward), and a step left partial by an exception. A compiled graph's update that the running
-backward does not want (`sonar_fx.runtime.engine`: `torch.autograd.grad`, `backward(inputs=...)`
-leaving the expert out) is recorded as left out, so a later refusal names that side backward; an
-expert requested by `torch.autograd.grad`, or an update in a `create_graph=True` backward, is refused
-before the update. It never updates anything itself.
+An in-backward update cannot be taken back, so the optimizer must know exactly what a step has done. A
+backward through the prepared model starts at its outputs: a hook there (`backward_root`: a forward hook of
+the model, or the sonar backend's mark on a compiled graph's outputs) tells the tracker, in the outermost
+graph task, that a backward began, and the optimizer queues a callback on that task, which autograd runs only
+when the whole backward finishes, so a backward that raised leaves it open. Without that hook (a submodule
+called directly), backwards are told apart by autograd's graph-task id and the callback is queued at the first
+update. Graph-task ids alone would be wrong for a backward that runs nested backwards (reentrant checkpointing
+runs each layer's backward as its own task inside the outer one): the first nested task to finish would look
+like the end of the step. From that the tracker tells apart: gradient accumulation (a second backward before
+`step()`), one tensor updated twice in ONE backward (a module that runs twice per forward), and a step left
+partial by an exception. A compiled graph's update that the running backward does not want
+(`sonar_fx.runtime.engine`: `torch.autograd.grad`, `backward(inputs=...)` leaving the expert out) is
+recorded as left out, so a later refusal names that side backward; an expert requested by
+`torch.autograd.grad`, or an update in a `create_graph=True` backward, is refused before the update. It never
+updates anything itself.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from typing import Any, Literal
+from typing import Literal
 
 import torch
-from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from sonar_fx.errors import InterruptedStepError, SonarUsageError
-from sonar_fx.optim.checks import refuse_fp16_autocast
-from sonar_fx.optim.saving import watch_compiled_forward, watch_gathered_experts
 from sonar_fx.runtime.engine import GradientFate
 
 Accumulation = Literal["per_microbatch"] | None
@@ -197,47 +192,3 @@ class StepTracker:
                 "paper's semantics), not once per optimizer step.",
                 stacklevel=4,
             )
-
-
-@torch.compiler.disable
-def mark_backward_root(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of a prepared model: when a backward first reaches one of its outputs, tell the
-    model's optimizer a backward began (in the outermost graph task). Never traced: it only registers
-    a hook, after the forward."""
-    owner = module.__dict__.get("sonar")
-    if owner is None or not torch.is_grad_enabled():
-        return
-    tensors = [t for t in _tensors(output) if t.requires_grad]
-    if not tensors:
-        return
-    watch_compiled_forward(owner, tensors)  # a graph another backend compiled saves nothing: say so
-    watch_gathered_experts(owner, module, output)  # nor freeing gradients under gathered weight copies
-    # Read now (autocast is a forward-time state), refused when a backward begins: an fp16 forward
-    # that never backwards (evaluation without no_grad) trains nothing wrong.
-    # The deferred schedule joins the GradScaler's unscale and verdict at step(): fp16 is exact there.
-    in_backward = getattr(owner, "schedule", "in_backward") == "in_backward"
-    fp16 = _fp16_autocast({p.device.type for p in owner.experts.params}) if in_backward else set()
-
-    def began(_: Any) -> None:
-        refuse_fp16_autocast(fp16)
-        owner.backward_began()
-
-    torch.autograd.graph.register_multi_grad_hook(tensors, began, mode="any")
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a model's output: pytree leaves, and the fields of a plain dataclass output (not a
-    pytree node, unlike transformers' ModelOutput), so its backward is seen beginning too."""
-    found = []
-    for leaf in tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-    return found
-
-
-def _fp16_autocast(devices: set[str]) -> set[str]:
-    return {
-        d for d in devices if torch.is_autocast_enabled(d) and torch.get_autocast_dtype(d) == torch.float16
-    }
