@@ -28,11 +28,12 @@ TRACE_CHECKPOINTED_SIDE_EFFECTS = {"skip_fwd_side_effects_in_bwd_under_checkpoin
 
 Dynamo refuses a Python side effect inside `torch.utils.checkpoint` (it cannot replay it in the
 backward's recomputation, as eager does) and runs the frame eagerly: a checkpointed model then
-computes every expert gradient outside any graph, and the in-graph saving is lost. transformers >= 5.25
-requires the `kernels` package, whose `use_kernelized_func` wraps most attention classes' forward in a
-set/reset of a module-level routing variable (`kernels`' `_ACTIVE_KERNEL_FUNCS`): a side effect in every
-checkpointed decoder layer. Set then reset, it leaves nothing to replay; a capture hook (TRL's router
-logits) is not active during eager's recomputation either. Tensors are traced all the same."""
+computes every expert gradient outside any graph, and the in-graph saving is lost. Whenever the `kernels`
+package is installed (transformers >= 5.25 requires it), transformers wraps most attention classes'
+forward in its `use_kernelized_func`, a set/reset of a module-level routing variable (`kernels`'
+`_ACTIVE_KERNEL_FUNCS`): a side effect in every checkpointed decoder layer. Set then reset, it leaves
+nothing to replay; a capture hook (TRL's router logits) is not active during eager's recomputation
+either. A side effect then runs once, in the forward; tensors are traced all the same."""
 
 
 class CompiledForward:
