@@ -23,6 +23,17 @@ from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime import registry
 
 _COMPILED_ATTR = "_sonar_compiled_forward"
+TRACE_CHECKPOINTED_SIDE_EFFECTS = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+"""Dynamo settings every sonar compile traces with (a caller's `dynamo_config` may override them).
+
+Dynamo refuses a Python side effect inside `torch.utils.checkpoint` (it cannot replay it in the
+backward's recomputation, as eager does) and runs the frame eagerly: a checkpointed model then
+computes every expert gradient outside any graph, and the in-graph saving is lost. Whenever the `kernels`
+package is installed (transformers >= 5.25 requires it), transformers wraps most attention classes'
+forward in its `use_kernelized_func`, a set/reset of a module-level routing variable (`kernels`'
+`_ACTIVE_KERNEL_FUNCS`): a side effect in every checkpointed decoder layer. Set then reset, it leaves
+nothing to replay; a capture hook (TRL's router logits) is not active during eager's recomputation
+either. A side effect then runs once, in the forward; tensors are traced all the same."""
 
 
 class CompiledForward:
@@ -216,8 +227,9 @@ def compile_forward_(
     """Replace `module.forward` by its compiled forward, in place."""
     if isinstance(module.__dict__.get("forward"), CompiledForward):
         raise ValueError(f"{type(module).__name__}.forward is already compiled by sonar_fx.")
+    config = {**TRACE_CHECKPOINTED_SIDE_EFFECTS, **(dynamo_config or {})}
     compiled = CompiledForward(
-        module, compiler, fallback=fallback, dynamo_config=dynamo_config, **torch_compile_kwargs
+        module, compiler, fallback=fallback, dynamo_config=config, **torch_compile_kwargs
     )
     module.forward = compiled
     module.__dict__[_COMPILED_ATTR] = compiled  # found again if something replaces module.forward

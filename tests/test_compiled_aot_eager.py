@@ -156,22 +156,70 @@ def test_forced_compiler_failure_raises_without_fallback():
         _run_with_backend(make_sonar_backend("aot_eager", fallback=False, bw_pass=failing_pass), steps=1)
 
 
-@pytest.mark.slow  # over 10 s
-def test_activation_checkpointing_stays_exact():
-    def run(method):
-        torch._dynamo.reset()
-        model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
-        assert enable_activation_checkpointing(model, {"use_reentrant": False})
-        model.train()
-        # transformers <= 5.18 names it is_gradient_checkpointing (as it does the enabling call)
-        new_name = hasattr(type(model), "is_activation_checkpointing")
-        assert model.is_activation_checkpointing if new_name else model.is_gradient_checkpointing
-        return trained_on(model, method, "aot_eager")
+class _RoutingVariable:
+    value: object = None
 
-    sonar_model, method = run("sonar")
-    twin, _ = run("standard_no_expert_clip")
+
+_ROUTING = _RoutingVariable()
+
+
+def _set_and_reset_a_global_around_attention(model):
+    """What `kernels`' `use_kernelized_func` (a dependency of transformers >= 5.25) does around most
+    attention classes' forward: set a module-level variable, run, reset it. Done here by hand, so that
+    every transformers release meets a side effect inside each checkpointed layer."""
+    for layer in model.model.layers:
+
+        def forward(*args, _attention=layer.self_attn.forward, **kwargs):
+            previous, _ROUTING.value = _ROUTING.value, _attention
+            try:
+                return _attention(*args, **kwargs)
+            finally:
+                _ROUTING.value = previous
+
+        layer.self_attn.forward = forward
+
+
+def _checkpointed_olmoe():
+    torch._dynamo.reset()
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    assert enable_activation_checkpointing(model, {"use_reentrant": False})
+    model.train()
+    # transformers <= 5.18 names it is_gradient_checkpointing (as it does the enabling call)
+    new_name = hasattr(type(model), "is_activation_checkpointing")
+    assert model.is_activation_checkpointing if new_name else model.is_gradient_checkpointing
+    _set_and_reset_a_global_around_attention(model)
+    return model
+
+
+@pytest.mark.slow  # over 10 s
+def test_activation_checkpointing_stays_exact_and_in_graph_beside_a_side_effect():
+    # Dynamo runs a checkpointed layer with a Python side effect eagerly unless told not to replay the
+    # effect in the backward's recomputation; sonar_fx.compile tells it (TRACE_CHECKPOINTED_SIDE_EFFECTS).
+    sonar_model, method = trained_on(_checkpointed_olmoe(), "sonar", "aot_eager")
+    twin, _ = trained_on(_checkpointed_olmoe(), "standard_no_expert_clip", "aot_eager")
     assert_same_weights(sonar_model, twin)
     assert method.optimizer.stats.updates == {"graph": 12}
+    assert _ROUTING.value is None  # set and reset: nothing left behind by the traced forward
+
+
+@pytest.mark.slow  # over 10 s
+def test_without_the_dynamo_setting_a_checkpointed_side_effect_leaves_every_update_to_the_hooks():
+    """The teeth of the test above, and why docs/saving-guard.md asks a user's own
+    torch.compile(backend="sonar") of a checkpointed model to make the setting: without it, dynamo runs
+    the checkpointed layers eagerly and no graph updates an expert."""
+    breaks = torch._dynamo.utils.counters["graph_break"]  # reason -> count, for the process
+
+    def side_effect_breaks():
+        return sum(n for reason, n in breaks.items() if reason.startswith("HOP: Unsafe side effect"))
+
+    model = _checkpointed_olmoe()
+    opt = sonar_fx.prepare(model, CFG)
+    before = side_effect_breaks()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        compiled = torch.compile(model, backend=make_sonar_backend("aot_eager"))  # "sonar", aot_eager
+        TrainingMethod(SONAR, AOT_EAGER, compiled, opt).train_step(batches(1)[0])
+    assert opt.stats.updates == {"hook": 4}
+    assert side_effect_breaks() > before
 
 
 def test_dynamo_failure_falls_back_to_hooks_and_warns_once(eager_twins):

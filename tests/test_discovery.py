@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from torch import nn
 
 import sonar_fx
@@ -183,11 +184,21 @@ def test_nemotron_h_non_gated_experts():
     assert up.expert_shape == (8, 32, 64) and "not gated" in layer.notes[0]
 
 
-def test_longcat_zero_computation_rows_stay_in_the_layer():
-    layers = sonar_fx.discover_experts(build_family("longcat_flash", device="meta"))
+def test_longcat_zero_computation_experts_counted_as_transformers_stores_them():
+    """LongCat-Flash routes each token over 8 computing and 2 zero-computation (identity) experts.
+    transformers < 5.25 stores the 2 as extra gate_up rows (never read: updated whole, with the layer);
+    5.25 stores only the 8 computing experts (a transformers experts module) and routes the 2 around
+    it. Either way E is 8, and the router's 10 outputs stay dense."""
+    model = build_family("longcat_flash", device="meta")
+    layers = sonar_fx.discover_experts(model)
     up, down = layers[0].tensors
-    assert (up.expert_shape[0], down.expert_shape[0], layers[0].num_experts) == (10, 8, 8)
-    assert "zero-computation" in layers[0].notes[0]
+    zero_rows_stored = Version(transformers.__version__) < Version("5.25")
+    up_rows = 10 if zero_rows_stored else 8
+    assert (up.expert_shape[0], down.expert_shape[0], layers[0].num_experts) == (up_rows, 8, 8)
+    assert ("zero-computation" in layers[0].notes[0]) == zero_rows_stored
+    router = model.model.layers[0].mlp.router.classifier.weight
+    claimed = {id(t.param) for layer in layers for t in layer.tensors}
+    assert router.shape[0] == 10 and id(router) not in claimed
 
 
 def test_jetmoe_per_expert_linears_grouped_per_layer_attention_included():

@@ -126,6 +126,13 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "use_mamba_kernels": False,
     },
     "kimi_linear": _LINEAR_THEN_FULL,
+    "kolibri1_1": {
+        # Its defaults give the first two layers a dense MLP (no experts in two layers) and score keys with
+        # 12 query heads (more than the 2 per key head of the shrink); one sliding, one indexed layer.
+        "mlp_only_layers": [],
+        "index_num_heads": 2,
+        "layer_types": ["sliding_attention", "indexed_attention"],
+    },
     "longcat_flash": {"zero_expert_num": 2},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     "qwen3_5_moe_text": _LINEAR_THEN_FULL,
