@@ -261,10 +261,10 @@ def _unchecked(arm: Arm, model: torch.nn.Module, cfg: AdamWConfig) -> TrainingMe
 
 
 class _NoMeter(ExpertGradMeter):
-    def appeared(self, param: torch.Tensor, nbytes: int) -> None:
+    def appeared(self, param: object, nbytes: int) -> None:
         return None
 
-    def freed(self, param: torch.Tensor) -> None:
+    def freed(self, param: object) -> None:
         return None
 
 
