@@ -13,6 +13,7 @@ from torch import Tensor
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim.nonfinite import NONFINITE
 
 
 def refuse_unsupported(
@@ -170,3 +171,18 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
     return bool(a == b)
+
+
+def check_options(*, granularity: str, accumulation: str | None, nonfinite: str, schedule: str) -> None:
+    """`SonarOptimizer`'s keyword options, each one of its choices."""
+    choices: dict[str, tuple[Any, ...]] = {
+        "granularity": ("batched", "per_expert"),
+        "accumulation": (None, "per_microbatch"),
+        "nonfinite": NONFINITE,
+        "schedule": ("in_backward", "deferred"),
+    }
+    given = dict(granularity=granularity, accumulation=accumulation, nonfinite=nonfinite, schedule=schedule)
+    for option, value in given.items():
+        if value not in choices[option]:
+            expected = " or ".join(map(repr, choices[option]))
+            raise ValueError(f"{option}={value!r}: expected {expected}.")

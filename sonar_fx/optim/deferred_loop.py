@@ -27,11 +27,11 @@ from torch import Tensor, nn
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 
 if TYPE_CHECKING:  # the deferred step imports this module
-    from sonar_fx.optim.deferred import DeferredGrads
     from sonar_fx.optim.grad_watch import DenseGradWatch
     from sonar_fx.optim.step_tracker import StepTracker
     from sonar_fx.runtime.meter import ExpertGradMeter
@@ -107,7 +107,7 @@ def backward_finished(opt: LoopOptimizer) -> None:
     opt.loop.after_backward = _identities(opt.dense_params())
     if any(p.grad is not None for group in opt.param_groups for p in group["params"]):
         return
-    for p in opt.expert_group["params"]:
+    for p in opt.experts.params:  # weight-decay splits included
         grad = opt.deferred.gradient(p, consume=True) if id(p) in opt.deferred.kept else None
         if grad is not None:
             p.grad = grad_like_param(p, grad)
@@ -120,7 +120,7 @@ class LoopOptimizer(Protocol):
     """What this module reads of `SonarOptimizer` (which imports it, not the reverse)."""
 
     cfg: OptimizerConfig
-    deferred: DeferredGrads
+    deferred: Any  # deferred.DeferredGrads (which imports this module)
     loop: DeferredLoop
     clipper: ExpertClipper
     grad_watch: DenseGradWatch
@@ -131,8 +131,7 @@ class LoopOptimizer(Protocol):
     @property
     def schedule(self) -> str: ...
 
-    @property
-    def expert_group(self) -> dict[str, Any]: ...
+    experts: ExpertSet
 
     def dense_params(self) -> list[Tensor]: ...
 
@@ -214,7 +213,7 @@ def clip_grad_norm_(opt: LoopOptimizer, max_norm: float, norm_type: float = 2.0)
         grads = [p.grad for p in dense if p.grad is not None]
         norms.update(zip(map(id, dense), torch._foreach_norm(grads, norm_type), strict=True))
     expert_norms = {}
-    for p in opt.expert_group["params"]:
+    for p in opt.experts.params:  # weight-decay splits included
         grad = opt.deferred.gradient(p, consume=False) if opt.deferred.has(p) else None
         if grad is not None:  # in the parameter's layout, as autograd's .grad: the norm's own bits
             norms[id(p)] = expert_norms[opt.expert_name(p)] = torch._foreach_norm(

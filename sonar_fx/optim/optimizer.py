@@ -26,21 +26,23 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.memory import ExpertGradBytes
-from sonar_fx.optim import added_groups, deferred, deferred_loop, global_clip, lowbit
+from sonar_fx.optim import added_groups, deferred, deferred_intake, deferred_loop, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import (
+    check_options,
     check_tensor,
     hyperparameters,
-    refuse_changed_grads,
     refuse_changed_hyperparameters,
     refuse_second_step,
     refuse_unsupported,
 )
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.dense_step import dense_step
 from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.group_checks import refuse_before_update, refuse_group_edits
-from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy, finite
-from sonar_fx.optim.norms import ExpertClipper, plain
+from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy
+from sonar_fx.optim.norms import ExpertClipper
+from sonar_fx.optim.param_groups import build_param_groups
 from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.report import report
 from sonar_fx.optim.rules import matrix_rule_for, rule_for
@@ -48,7 +50,7 @@ from sonar_fx.optim.saving import OnSavingLost, SavingGuard, expert_grad_bytes, 
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.optim.untracked import UntrackedGradients
-from sonar_fx.optim.weight_decay import expert_group_of, role_of, split_by_weight_decay
+from sonar_fx.optim.weight_decay import expert_group_of, role_of
 from sonar_fx.runtime import hooks, registry
 from sonar_fx.runtime.engine import GradientFate
 from sonar_fx.runtime.meter import ExpertGradMeter
@@ -91,14 +93,9 @@ class SonarOptimizer(torch.optim.Optimizer):
         or "raise"; see `sonar_fx.optim.saving`). `schedule`: "in_backward" (each expert updated in
         backward) or "deferred" (each expert's gradient computed and applied at `step()` from operands
         kept in backward: `sonar_fx.optim.deferred`)."""
-        if granularity not in ("batched", "per_expert"):
-            raise ValueError(f"granularity={granularity!r}: expected 'batched' or 'per_expert'.")
-        if accumulation not in (None, "per_microbatch"):
-            raise ValueError(f"accumulation={accumulation!r}: expected None or 'per_microbatch'.")
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite={nonfinite!r}: expected one of {', '.join(map(repr, NONFINITE))}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: expected 'in_backward' or 'deferred'.")
+        check_options(
+            granularity=granularity, accumulation=accumulation, nonfinite=nonfinite, schedule=schedule
+        )
         self._set_rules(cfg)
         refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation, schedule)
         self.expert_rule.check_experts(expert_layers)
@@ -116,34 +113,10 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.compiler, self.distributed = compiler, distributed
         self.untracked: UntrackedGradients | None = None
         """Watches the model for trainable tensors no group holds (set by `prepare`)."""
-        experts = self.experts.params
-        split = {id(p) for p in matrices} if self.matrix_rule is not None else set()
-        # Each group also carries its torch twin's own keys (fused=True, ...), which a twin loading this
-        # state dict then keeps (torch's loader takes every group key from the state dict).
-        groups = [
-            dict(
-                params=[p for p in dense_params if id(p) not in split], name="dense", **self.rule.torch_keys()
-            ),
-            dict(
-                params=experts,
-                name="experts",
-                **self.expert_rule.defaults(cfg),
-                **self.expert_rule.torch_keys(),
-            ),
-        ]
-        if self.matrix_rule is not None:
-            hidden = [p for p in dense_params if id(p) in split]
-            groups.append(dict(params=hidden, name="dense_matrices", **self.matrix_rule.defaults(cfg),
-                               **self.matrix_rule.torch_keys()))  # fmt: skip
-        labels = dict(zip(map(id, dense_params), dense_names or (), strict=False))
-        names = {**labels, **self.experts.names_by_id()}
-        groups = split_by_weight_decay(groups, cfg.weight_decay_groups, names)
-        order = list(param_order) if param_order is not None else [*dense_params, *experts]
-        rank = {id(p): i for i, p in enumerate(order)}
-        flat = [p for g in groups for p in g["params"]]
-        # Per param, in param-group order: plain ints and strings, so copies and pickles keep them.
-        self._norm_rank = [rank[id(p)] for p in flat]
-        self._labels = [labels.get(id(p)) for p in flat]
+        groups, self._norm_rank, self._labels = build_param_groups(
+            cfg, (self.rule, self.expert_rule, self.matrix_rule), dense_params, self.experts.params,
+            self.experts.names_by_id(), matrices=matrices, dense_names=dense_names, param_order=param_order,
+        )  # fmt: skip
         super().__init__(groups, self.rule.defaults(cfg))
         self._bind()
 
@@ -298,37 +271,14 @@ class SonarOptimizer(torch.optim.Optimizer):
             name, grad, path=path, reduced=reduced, update=lambda g: self._update_now(name, param, g, path)
         )
 
-    @torch.no_grad()
     def defer_expert_(self, param: Tensor, recipe: str, operands: list[Tensor]) -> None:
         """Keep one backward's operands of `param`'s weight gradient for `step()` (the deferred
-        schedule's graph op calls this; `sonar_fx.optim.deferred`)."""
-        name = self._names.get(id(param))
-        if name is None:
-            raise KeyError("defer_expert_ got a tensor that is not one of this optimizer's experts.")
-        if self.schedule != "deferred":
-            raise SonarUsageError(
-                f"{name}: a graph compiled for schedule='deferred' ran for a model prepared with "
-                f"schedule={self.schedule!r} (a graph dynamo reused across models of one class). Prepare "
-                "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
-            )
-        refuse_before_update(self, "deferred")
-        if not deferred.wanted_by_this_backward(param, name):  # plain torch would not accumulate into it
-            return
-        crossed = self.deferred.crossed_over(param)
-        self.deferred.add(param, name, recipe, operands)
-        if self.deferred.crossed_over(param) and not crossed:
-            # Past the crossover: its gradient is held from now until step(), alive (and said so).
-            nbytes = param.numel() * param.element_size()
-            self.meter.appeared(param, nbytes)
-            self.saving.crossed_over(name, operand_bytes=self.deferred.crossed[name], grad_bytes=nbytes)
+        schedule's graph op and eager capture call this; `deferred_intake`)."""
+        deferred_intake.keep_operands(self, param, recipe, operands)
 
     def keep_whole_(self, param: Tensor) -> None:
-        """The deferred schedule's hook: `param.grad` arrived whole (autograd computed it; no operands
-        were kept), moved to its kept contributions: alive until step(), and the saving guard says why."""
-        name, nbytes = self.expert_name(param), param.grad.nbytes if param.grad is not None else 0
-        self.meter.appeared(param, nbytes)
-        self.saving.kept_whole(name, nbytes, compiler=self.compiler)
-        self.deferred.add_whole(param, name)
+        """The deferred schedule's hook: `param.grad` arrived whole (`deferred_intake`)."""
+        deferred_intake.keep_whole(self, param)
 
     def not_accumulated(self, param: Tensor, fate: GradientFate) -> None:
         """The in-graph update of `param` met a backward that adds nothing to its `.grad` (see
@@ -416,47 +366,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.end_step()
 
     def dense_step(self) -> None:
-        """The dense half of `step()`: the dense (or, under expert_clip="global", total) norm, the
-        non-finite check, clipping and the update of every dense group."""
-        if self.clipper.skip_step:
-            return
-        params = [p for p in self.dense_params() if p.grad is not None]
-        grads = [p.grad for p in params if p.grad is not None]
-        norms = self.clipper.current
-        if grads and norms.dense is None:
-            # Always taken (the logged dense norm); get_total_norm + clip_grads_with_norm_ is what
-            # clip_grad_norm_ runs: the same bits.
-            norms.dense = plain(torch.nn.utils.get_total_norm(grads))
-        skipped = self.nonfinite_policy.at_step(
-            norms.dense,
-            lambda: [self.dense_name(p) for p in params if not finite(p.grad)],
-            self._any_rank,
-            self.stats,
-        )
-        if skipped is not None:
-            for p in params:
-                p.grad = None
-            self._forget_fresh_states(skipped)
-            self.clipper.skip_step = True
-            return
-        self._refuse_changed_grads()
-        clip_by = norms.total if self.cfg.expert_clip == "global" else norms.dense
-        if self.cfg.clips and clip_by is not None and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, clip_by)  # type: ignore[arg-type]
-        for group, rule in self._dense_updates():
-            stepped = [p for p in group["params"] if p.grad is not None]
-            states = [self._state(p, rule=rule) for p in stepped]
-            rule.update_(stepped, [p.grad for p in stepped], states, group)
-
-    def _refuse_changed_grads(self) -> None:
-        """Dense gradients written after backward (a clip of the user's own) while Sonar clips: refused
-        before any dense tensor moves (`grad_watch`); after the non-finite check, which names a NaN."""
-        if self.cfg.clips:
-            changed = self.grad_watch.changed_since_backward(self._dense)
-            if changed:
-                refuse_changed_grads(
-                    [self.dense_name(p) for p in changed], self.cfg.max_grad_norm, bool(self.tracker.updated)
-                )
+        """The dense half of `step()` (`sonar_fx.optim.dense_step`)."""
+        dense_step(self)
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
         """Backward for this optimizer's step; returns the loss, detached. `loss` is the loss, or a
