@@ -30,6 +30,7 @@ from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
+from sonar_fx.optim.reduction import StepReduce, step_reduction
 from sonar_fx.passes.recipe import Recipe
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
@@ -184,6 +185,7 @@ def step(opt: SonarOptimizer) -> None:
     """The deferred schedule's `step()`: verdicts first (a scaler's inf check, the global norm), then
     the dense step, then each expert computed, clipped, updated and freed in turn."""
     store = opt.deferred
+    reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
     experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
@@ -197,7 +199,7 @@ def step(opt: SonarOptimizer) -> None:
     # that a skipped step is as if never seen (each costs one more computation of every gradient).
     skip_whole = opt.nonfinite_policy.mode == "skip"
     if scaler is not None or clip_all or skip_whole:
-        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled)
+        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
             opt.clipper.abandon()
@@ -224,6 +226,7 @@ def step(opt: SonarOptimizer) -> None:
         # In the parameter's layout at once (the recipe may give a transposed view): the view is freed
         # as the copy returns, so one gradient's worth is alive, as autograd's layout contract leaves it.
         grad = grad_like_param(p, _required(store.gradient(p, consume=True)))
+        grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
         opt.meter.appeared(p, grad.nbytes)
         try:
             if scaler is not None and id(p) not in unscaled:
@@ -256,6 +259,7 @@ def _first_pass(
     scaler: ScalerStep | None,
     clip_all: bool,
     unscaled: set[int],
+    reduce: StepReduce,
 ) -> Tensor | None:
     """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
     gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
@@ -265,6 +269,7 @@ def _first_pass(
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     for p in experts:
         grad = grad_like_param(p, _required(opt.deferred.gradient(p, consume=False)))
+        grad = reduce(opt.expert_name(p), grad)  # the engine's reduction, before the norm and verdict
         opt.meter.appeared(p, grad.nbytes)
         if scaler is not None and found_inf is not None and id(p) not in unscaled:
             scaler.unscale_(grad, found_inf)

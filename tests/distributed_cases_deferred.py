@@ -1,0 +1,180 @@
+"""What each rank runs in the tests of the deferred schedule on DDP (`test_distributed_deferred`).
+
+Each case trains one model with Sonar on DDP under schedule="deferred" and its twin in plain torch:
+`DistributedDataParallel` over every parameter, micro-batches accumulated with `no_sync()` on all but
+the last (the user's loop keeps those lines, on both), `clip_grad_norm_` over every parameter (or the
+dense ones) and `AdamW(fused=True)` over [dense, experts]. A case reports which tensors differ on
+this rank (`torch.equal`), a digest of every tensor (ranks must agree), each step's norm as Sonar
+logged it and as the twin's `clip_grad_norm_` returned it, and what the deferred schedule reports.
+The negative control trains the twin with a sync on every micro-batch (other arithmetic): it must
+differ. Loops DDP reduces otherwise are refused at step(): the message and the tensors it moved.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from distributed_cases import DTYPES, differ, digest
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sonar_fx
+import sonar_fx.distributed as sd
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.models import build_model
+
+from helpers import CFG, batches
+
+STEPS = 3
+MAX_NORM = 0.05
+"""Below every step's norm on tiny-olmoe: the clip is active on each step (the test checks it)."""
+MODEL = "tiny-olmoe"
+"""transformers' grouped_mm experts, whose GEMMs the eager capture keeps (tiny-reference's own op
+is left whole: exact, nothing saved)."""
+
+
+def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
+    return replace(CFG, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
+
+
+def data_of(rank: int, accum: int) -> list[list[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches, `accum` per step."""
+    flat = batches(STEPS * accum, seed=1 + rank)
+    return [flat[s * accum : (s + 1) * accum] for s in range(STEPS)]
+
+
+def accumulate(run: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str) -> None:
+    """The user's loop over one step's micro-batches: `no_sync()` on all but the last ("last"), on
+    none ("every"), or on all ("never")."""
+    for i, b in enumerate(micro_batches):
+        quiet = sync == "never" or (sync == "last" and i < len(micro_batches) - 1)
+        with run.no_sync() if quiet else nullcontext():
+            run(**b).loss.backward()
+
+
+# ----------------------------------------------------------------------------------------- the twins
+
+
+def sonar_ddp(dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, nn.Module]:
+    torch._dynamo.reset()
+    model = build_model(MODEL, dtype=dtype, seed=0)
+    run = sd.ddp(model, cfg_for(clip), compiler=compiler, schedule="deferred")
+    return run, run.sonar, model
+
+
+def train_sonar(run: Any, opt: Any, data: list[list[dict]], clip: str, sync: str = "last") -> list[float]:
+    norms = []
+    for micro_batches in data:
+        accumulate(run, micro_batches, sync)
+        opt.step()
+        opt.zero_grad()
+        logged = opt.grad_norms()
+        norms.append(logged["total"] if clip == "all" else logged["dense"])
+    return norms
+
+
+def train_plain_ddp(
+    dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last"
+) -> tuple[nn.Module, list[float]]:
+    """Plain DDP over every parameter, fused AdamW over [dense, experts], clip over `clip`."""
+    torch._dynamo.reset()
+    model = build_model(MODEL, dtype=dtype, seed=0)
+    experts = ExpertSet.discover(model).names_by_id()
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    expert_params = [p for p in model.parameters() if id(p) in experts]
+    wrapped = DDP(model)
+    run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
+    opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=expert_params)],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    norms = []
+    for micro_batches in data:
+        for i, b in enumerate(micro_batches):
+            quiet = sync == "last" and i < len(micro_batches) - 1
+            with wrapped.no_sync() if quiet else nullcontext():
+                run(**b).loss.backward()
+        clipped = list(model.parameters()) if clip == "all" else dense
+        norms.append(float(torch.nn.utils.clip_grad_norm_(clipped, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return model, norms
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int) -> dict[str, Any]:
+    """Sonar deferred on DDP against plain DDP with the same no_sync() loop."""
+    data = data_of(rank, accum)
+    run, opt, model = sonar_ddp(DTYPES[dtype], clip, compiler)
+    norms = train_sonar(run, opt, data, clip)
+    report = opt.report()
+    twin, twin_norms = train_plain_ddp(DTYPES[dtype], clip, compiler, data)
+    return {
+        "differ": differ(model, twin),
+        "digest": digest(model),
+        "norms": norms,
+        "twin_norms": twin_norms,
+        "updates_deferred": report["updates_deferred"],
+        "kept_whole": report["deferred"]["kept_whole"],
+        "kept_operand_peak": report["deferred"]["kept_operand_peak"],
+        "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
+        "fallbacks": report["fallbacks"],
+    }
+
+
+def against_sync_every_micro_batch(rank: int) -> list[str]:
+    """Negative control: the twin syncs every micro-batch (DDP reduces the running sum each time)."""
+    data = data_of(rank, 4)
+    run, opt, model = sonar_ddp(torch.float32, "all", "eager")
+    train_sonar(run, opt, data, "all")
+    twin, _ = train_plain_ddp(torch.float32, "all", "eager", data, sync="every")
+    return differ(model, twin)
+
+
+def refused_loop(rank: int, sync: str) -> dict[str, Any]:
+    """A step DDP reduced otherwise than once at its last micro-batch: refused at step(), nothing
+    moved; zero_grad() drops it and the right loop then trains exactly as plain DDP does."""
+    run, opt, model = sonar_ddp(torch.float32, "all", "eager")
+    accumulate(run, batches(2, seed=100 + rank), sync)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    message = None
+    try:
+        opt.step()
+    except sonar_fx.SonarUsageError as err:
+        message = str(err)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    opt.zero_grad()
+    data = data_of(rank, 2)
+    train_sonar(run, opt, data, "all")
+    twin, _ = train_plain_ddp(torch.float32, "all", "eager", data)
+    return {"message": message, "moved": moved, "then": differ(model, twin)}
+
+
+EXACT = [
+    ("fp32", "all", "eager", 4),
+    ("bf16", "all", "eager", 3),
+    ("fp32", "dense", "eager", 2),
+    ("fp32", "all", "aot_eager", 2),
+    ("bf16", "all", "aot_eager", 4),
+    ("bf16", "dense", "aot_eager", 3),
+]
+"""(dtype, clip, compiler, micro-batches per step): every dtype and compiler with the clip over all
+parameters, and the dense-only clip on each compiler."""
+
+
+def label(dtype: str, clip: str, compiler: str, accum: int) -> str:
+    return f"{dtype}/{clip}/{compiler}/{accum}"
+
+
+def deferred(rank: int) -> dict[str, Any]:
+    """Every case, in one spawn."""
+    out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT}
+    out["control/sync_every"] = against_sync_every_micro_batch(rank)
+    out["refused/every"] = refused_loop(rank, "every")
+    out["refused/never"] = refused_loop(rank, "never")
+    return out
