@@ -65,10 +65,19 @@ def sonar_ddp(dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, n
     return run, run.sonar, model
 
 
-def train_sonar(run: Any, opt: Any, data: list[list[dict]], clip: str, sync: str = "last") -> list[float]:
+def train_sonar(
+    run: Any, opt: Any, data: list[list[dict]], clip: str, sync: str = "last", seen: dict | None = None
+) -> list[float]:
+    """The loop; `seen` gets what the last step held before `step()` (the memory claim)."""
     norms = []
     for micro_batches in data:
         accumulate(run, micro_batches, sync)
+        if seen is not None:
+            experts = opt.expert_group["params"]
+            seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
+            seen["kept_bytes"] = opt.deferred.live_bytes
+            seen["expert_grad_bytes"] = sum(p.numel() * p.element_size() for p in experts)
+            seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
         opt.step()
         opt.zero_grad()
         logged = opt.grad_norms()
@@ -111,7 +120,8 @@ def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int) -> dict[s
     """Sonar deferred on DDP against plain DDP with the same no_sync() loop."""
     data = data_of(rank, accum)
     run, opt, model = sonar_ddp(DTYPES[dtype], clip, compiler)
-    norms = train_sonar(run, opt, data, clip)
+    seen: dict[str, Any] = {}
+    norms = train_sonar(run, opt, data, clip, seen=seen)
     report = opt.report()
     twin, twin_norms = train_plain_ddp(DTYPES[dtype], clip, compiler, data)
     return {
@@ -123,6 +133,9 @@ def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int) -> dict[s
         "kept_whole": report["deferred"]["kept_whole"],
         "kept_operand_peak": report["deferred"]["kept_operand_peak"],
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
+        "crossed_over": report["deferred"]["crossed_over"],
+        "step_grad_peak": report["expert_grad_bytes"]["measured_peak"],
+        **seen,
         "fallbacks": report["fallbacks"],
     }
 

@@ -34,6 +34,7 @@ def marked(case: tuple) -> object:
 @pytest.mark.parametrize("case", [marked(c) for c in EXACT])
 def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case):
     runs = [r[label(*case)] for r in ranks]
+    accum = case[3]
     for run in runs:
         assert run["differ"] == [], run["differ"][:3]
         assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]  # clip active each step
@@ -43,6 +44,15 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         assert run["kept_whole"] == []  # every expert gradient came from kept operands
         assert run["kept_operand_peak"] > 0
         assert run["fallbacks"] == []
+        # The saving: before step() only a tensor that crossed over (its operands outgrew its gradient:
+        # 3-4 micro-batches here) holds a gradient (DDP's buckets hold dense ones only); with 2
+        # micro-batches none does and the kept operands are below the expert gradients; at step() one
+        # expert gradient is alive at a time (the meter's peak: the biggest tensor).
+        assert run["expert_grads_alive"] == len(run["crossed_over"])
+        if accum == 2:
+            assert run["crossed_over"] == {}
+            assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
+        assert run["step_grad_peak"] == run["biggest_expert"]
         if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
             assert run["graphs"] >= 1, run
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
