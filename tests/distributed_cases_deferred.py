@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from distributed_cases import DTYPES, differ, digest
+from distributed_cases_options import ENGINES, ep_global_clip_
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -31,9 +32,10 @@ from helpers import CFG, batches
 STEPS = 3
 MAX_NORM = 0.05
 """Below every step's norm on tiny-olmoe: the clip is active on each step (the test checks it)."""
-MODEL = "tiny-olmoe"
-"""transformers' grouped_mm experts, whose GEMMs the eager capture keeps (tiny-reference's own op
-is left whole: exact, nothing saved)."""
+MODELS = {"ddp": "tiny-olmoe", "ep": "tiny-reference"}
+"""DDP: transformers' grouped_mm experts, whose GEMMs the eager capture keeps. Expert parallelism
+replaces the experts module with its own, whose grouped GEMM is Sonar's custom op: the eager capture
+leaves its gradient whole (exact, nothing saved, said by a warning); a compiled block keeps operands."""
 
 
 def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
@@ -58,10 +60,11 @@ def accumulate(run: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str
 # ----------------------------------------------------------------------------------------- the twins
 
 
-def sonar_ddp(dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, nn.Module]:
+def sonar_on(engine: str, dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, nn.Module]:
     torch._dynamo.reset()
-    model = build_model(MODEL, dtype=dtype, seed=0)
-    run = sd.ddp(model, cfg_for(clip), compiler=compiler, schedule="deferred")
+    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    build = sd.ddp if engine == "ddp" else sd.expert_parallel
+    run = build(model, cfg_for(clip), compiler=compiler, schedule="deferred")
     return run, run.sonar, model
 
 
@@ -85,17 +88,22 @@ def train_sonar(
     return norms
 
 
-def train_plain_ddp(
-    dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last"
+def train_plain(
+    engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last"
 ) -> tuple[nn.Module, list[float]]:
-    """Plain DDP over every parameter, fused AdamW over [dense, experts], clip over `clip`."""
+    """Plain DDP over every parameter (expert parallelism: the experts sharded, out of DDP, their
+    gradients scaled by 1/world as data-parallel averaging implies), fused AdamW over [dense, experts],
+    clip over `clip` (expert parallelism, all: torchtitan's norm, `ep_global_clip_`)."""
     torch._dynamo.reset()
-    model = build_model(MODEL, dtype=dtype, seed=0)
+    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    if engine == "ddp":
+        wrapped = DDP(model)
+        run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
+    else:
+        run = wrapped = ENGINES["ep"].standard(model, compiler)
     experts = ExpertSet.discover(model).names_by_id()
     dense = [p for p in model.parameters() if id(p) not in experts]
     expert_params = [p for p in model.parameters() if id(p) in experts]
-    wrapped = DDP(model)
-    run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
     opt = torch.optim.AdamW(
         [dict(params=dense), dict(params=expert_params)],
         lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
@@ -106,8 +114,14 @@ def train_plain_ddp(
             quiet = sync == "last" and i < len(micro_batches) - 1
             with wrapped.no_sync() if quiet else nullcontext():
                 run(**b).loss.backward()
-        clipped = list(model.parameters()) if clip == "all" else dense
-        norms.append(float(torch.nn.utils.clip_grad_norm_(clipped, MAX_NORM)))
+        if engine == "ep":
+            for p in expert_params:
+                p.grad.mul_(ENGINES["ep"].expert_scale)
+        if engine == "ep" and clip == "all":
+            norms.append(float(ep_global_clip_(dense, expert_params, MAX_NORM)))
+        else:
+            clipped = list(model.parameters()) if clip == "all" else dense
+            norms.append(float(torch.nn.utils.clip_grad_norm_(clipped, MAX_NORM)))
         opt.step()
         opt.zero_grad()
     return model, norms
@@ -116,17 +130,19 @@ def train_plain_ddp(
 # ------------------------------------------------------------------------------------------- cases
 
 
-def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int) -> dict[str, Any]:
-    """Sonar deferred on DDP against plain DDP with the same no_sync() loop."""
+def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp") -> dict[str, Any]:
+    """Sonar deferred on the engine against the plain engine with the same no_sync() loop."""
     data = data_of(rank, accum)
-    run, opt, model = sonar_ddp(DTYPES[dtype], clip, compiler)
+    run, opt, model = sonar_on(engine, DTYPES[dtype], clip, compiler)
     seen: dict[str, Any] = {}
     norms = train_sonar(run, opt, data, clip, seen=seen)
     report = opt.report()
-    twin, twin_norms = train_plain_ddp(DTYPES[dtype], clip, compiler, data)
+    twin, twin_norms = train_plain(engine, DTYPES[dtype], clip, compiler, data)
     return {
         "differ": differ(model, twin),
         "digest": digest(model),
+        "dense_digest": digest(model, dense_only=True),
+        "updates_kept_whole": report["updates_kept_whole"],
         "norms": norms,
         "twin_norms": twin_norms,
         "updates_deferred": report["updates_deferred"],
@@ -143,16 +159,16 @@ def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int) -> dict[s
 def against_sync_every_micro_batch(rank: int) -> list[str]:
     """Negative control: the twin syncs every micro-batch (DDP reduces the running sum each time)."""
     data = data_of(rank, 4)
-    run, opt, model = sonar_ddp(torch.float32, "all", "eager")
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
     train_sonar(run, opt, data, "all")
-    twin, _ = train_plain_ddp(torch.float32, "all", "eager", data, sync="every")
+    twin, _ = train_plain("ddp", torch.float32, "all", "eager", data, sync="every")
     return differ(model, twin)
 
 
 def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     """A step DDP reduced otherwise than once at its last micro-batch: refused at step(), nothing
     moved; zero_grad() drops it and the right loop then trains exactly as plain DDP does."""
-    run, opt, model = sonar_ddp(torch.float32, "all", "eager")
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
     accumulate(run, batches(2, seed=100 + rank), sync)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     message = None
@@ -164,7 +180,7 @@ def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     opt.zero_grad()
     data = data_of(rank, 2)
     train_sonar(run, opt, data, "all")
-    twin, _ = train_plain_ddp(torch.float32, "all", "eager", data)
+    twin, _ = train_plain("ddp", torch.float32, "all", "eager", data)
     return {"message": message, "moved": moved, "then": differ(model, twin)}
 
 
@@ -180,13 +196,22 @@ EXACT = [
 parameters, and the dense-only clip on each compiler."""
 
 
-def label(dtype: str, clip: str, compiler: str, accum: int) -> str:
-    return f"{dtype}/{clip}/{compiler}/{accum}"
+EXACT_EP = [
+    ("fp32", "all", "eager", 3, "ep"),
+    ("bf16", "all", "aot_eager", 2, "ep"),
+    ("fp32", "dense", "aot_eager", 4, "ep"),
+]
+"""Expert parallelism (tiny-reference, as its other tests): the clip over all parameters eager and
+compiled, the dense-only clip compiled."""
+
+
+def label(dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp") -> str:
+    return f"{engine}/{dtype}/{clip}/{compiler}/{accum}"
 
 
 def deferred(rank: int) -> dict[str, Any]:
     """Every case, in one spawn."""
-    out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT}
+    out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
     out["control/sync_every"] = against_sync_every_micro_batch(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")

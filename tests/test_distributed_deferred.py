@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_cases_deferred import EXACT, MAX_NORM, STEPS, label
+from distributed_cases_deferred import EXACT, EXACT_EP, MAX_NORM, STEPS, label
 
 import distributed_worker
 from helpers import known_library_failure
@@ -25,7 +25,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def marked(case: tuple) -> object:
-    dtype, _, compiler, _ = case
+    dtype, compiler = case[0], case[2]
     compiled_fp32 = compiler != "eager" and dtype == "fp32"
     marks = known_library_failure(grouped_mm_compiled=torch.float32) if compiled_fp32 else ()
     return pytest.param(case, marks=marks, id=label(*case))
@@ -56,6 +56,26 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
             assert run["graphs"] >= 1, run
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
+
+
+@pytest.mark.parametrize("case", EXACT_EP, ids=[label(*c) for c in EXACT_EP])
+def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumulation(ranks, case):
+    """Each rank's own experts, scaled by 1/world at step() (no collective), the dense half through
+    DDP; the norm over every parameter is torchtitan's (each expert counted once)."""
+    runs = [r[label(*case)] for r in ranks]
+    for run in runs:
+        assert run["differ"] == [], run["differ"][:3]
+        assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
+        assert run["norms"] == run["twin_norms"]
+        assert run["fallbacks"] == []
+        assert run["step_grad_peak"] == run["biggest_expert"]
+        if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
+            assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
+        else:  # the compiled blocks keep the operands
+            assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+            assert run["graphs"] >= 1 and run["expert_grads_alive"] == len(run["crossed_over"])
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
+    assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
 
 
 def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):

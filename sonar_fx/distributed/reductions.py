@@ -319,6 +319,8 @@ class LocalExperts:
     `refuse_unsynced`."""
     replaying: bool = False
     """Inside pass 2 of expert_clip="global" (`without_reducer`)."""
+    forward_syncs: ForwardSyncs | None = None
+    """schedule="deferred": which forwards of the step synced (set by `expert_parallel`)."""
 
     @property
     def world_size(self) -> int:
@@ -336,7 +338,9 @@ class LocalExperts:
         update(grad.mul_(scale) if path == "hook" else grad * scale)
 
     def at_step(self) -> StepReduce:
-        raise SonarUsageError(not_deferred(self.name))
+        refuse_unmatched_syncs(self.forward_syncs)  # the dense half's DDP synced the last only
+        scale = 1.0 / self.world_size  # the rank's own experts: data-parallel averaging, no collective
+        return lambda name, grad: grad.mul_(scale)
 
     def any_rank(self, local: bool) -> bool:
         # Each rank holds different experts: one rank's non-finite gradient must stop every rank.
