@@ -117,8 +117,9 @@ def refuse_unsynced(name: str, reduction: DenseWrapped) -> None:
         "step local nor leave a micro-batch for later, and would train otherwise than DDP. Refused before "
         "any weight moved. Run every backward with gradient sync and call step() after each; to "
         "accumulate micro-batches, drop no_sync() and opt in with accumulation='per_microbatch' (one "
-        "expert update per micro-batch); schedule='deferred', the exact accumulation, runs in one process "
-        "only. Call optimizer.abandon_step() to drop this backward's dense gradients before going on."
+        "expert update per micro-batch), or keep no_sync() and build the model with schedule='deferred' (the "
+        "exact accumulation, DDP and expert parallelism). Call optimizer.abandon_step() to drop this "
+        "backward's dense gradients before going on."
     )
 
 
