@@ -165,6 +165,52 @@ def against_sync_every_micro_batch(rank: int) -> list[str]:
     return differ(model, twin)
 
 
+def grad_scaler(rank: int) -> dict[str, Any]:
+    """fp16 CPU autocast, fp32 weights, 2 micro-batches under the user's no_sync() loop and the
+    ordinary scaler calls on both sides; a scale that grows into overflow every other step, so steps
+    are skipped (on every rank alike: the verdict is taken on reduced gradients) and the scale backs
+    off as in plain DDP."""
+    kw = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
+    data = batches(10, seed=1 + rank)
+    steps = [data[i : i + 2] for i in range(0, 10, 2)]
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
+    ours = torch.amp.GradScaler("cpu", **kw)
+    scales: list[list[float]] = []
+    for micro_batches in steps:
+        for i, b in enumerate(micro_batches):
+            with run.no_sync() if i == 0 else nullcontext(), torch.autocast("cpu", dtype=torch.float16):
+                loss = run(**b).loss
+            with run.no_sync() if i == 0 else nullcontext():
+                ours.scale(loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+        scales.append([ours.get_scale()])
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    experts = ExpertSet.discover(twin).names_by_id()
+    dense = [p for p in twin.parameters() if id(p) not in experts]
+    wrapped = DDP(twin)
+    twin_opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=[p for p in twin.parameters() if id(p) in experts])],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    theirs = torch.amp.GradScaler("cpu", **kw)
+    for n, micro_batches in enumerate(steps):
+        for i, b in enumerate(micro_batches):
+            with wrapped.no_sync() if i == 0 else nullcontext():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = wrapped(**b).loss
+                theirs.scale(loss).backward()
+        theirs.unscale_(twin_opt)
+        torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)
+        theirs.step(twin_opt)
+        theirs.update()
+        twin_opt.zero_grad()
+        scales[n].append(theirs.get_scale())
+    return {"differ": differ(model, twin), "scales": scales}
+
+
 def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     """A step DDP reduced otherwise than once at its last micro-batch: refused at step(), nothing
     moved; zero_grad() drops it and the right loop then trains exactly as plain DDP does."""
@@ -213,6 +259,7 @@ def deferred(rank: int) -> dict[str, Any]:
     """Every case, in one spawn."""
     out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
     out["control/sync_every"] = against_sync_every_micro_batch(rank)
+    out["grad_scaler"] = grad_scaler(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     return out

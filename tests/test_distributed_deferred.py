@@ -78,6 +78,14 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
     assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
 
 
+def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_plain_ddp(ranks):
+    for r in ranks:
+        run = r["grad_scaler"]
+        assert all(ours == theirs for ours, theirs in run["scales"]), run["scales"]
+        assert len({ours for ours, _ in run["scales"]}) > 1  # some steps overflowed, some stepped
+        assert run["differ"] == [], run["differ"][:3]
+
+
 def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):
     for r in ranks:
         assert r["control/sync_every"], "a sync on every micro-batch must give other bits"

@@ -18,25 +18,35 @@ forward hook on the DDP wrapper (`ForwardSyncs`), which is where DDP itself deci
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.optim.deferred import DeferredGrads
 
 
 @dataclass
 class ForwardSyncs:
-    """Whether each gradient-enabled forward of the DDP wrapper since the last `step()` synced."""
+    """Whether each gradient-enabled forward of the DDP wrapper in this step synced."""
 
+    fresh: Callable[[], bool]
+    """Whether the optimizer holds nothing of an earlier backward (no kept operands, no expert
+    gradient): a forward then begins a step, even when the last one never reached `step()` (a
+    GradScaler skips `step()` when a dense gradient overflowed; `zero_grad()` then dropped it)."""
     synced: list[bool] = field(default_factory=list)
 
     def record(self, wrapper: nn.Module, _args: Any, _output: Any) -> None:
-        if torch.is_grad_enabled():  # an evaluation forward under no_grad reduces nothing either way
-            self.synced.append(bool(getattr(wrapper, "require_forward_param_sync", True)))
+        if not torch.is_grad_enabled():  # an evaluation forward under no_grad reduces nothing either way
+            return
+        if self.fresh():
+            self.synced.clear()
+        self.synced.append(bool(getattr(wrapper, "require_forward_param_sync", True)))
 
     def take(self) -> list[bool]:
         """This step's flags, forgotten for the next step."""
@@ -44,11 +54,22 @@ class ForwardSyncs:
         return synced
 
 
-def watch_forward_syncs(wrapper: nn.Module) -> ForwardSyncs:
+def watch_forward_syncs(wrapper: nn.Module, optimizer: DeferredHolder) -> ForwardSyncs:
     """Record, for each forward of `wrapper` (a DDP module), whether its backward syncs."""
-    syncs = ForwardSyncs()
+
+    def fresh() -> bool:
+        return not optimizer.deferred.kept and all(p.grad is None for p in optimizer.experts.params)
+
+    syncs = ForwardSyncs(fresh)
     wrapper.register_forward_hook(syncs.record)
     return syncs
+
+
+class DeferredHolder(Protocol):
+    """What `watch_forward_syncs` reads of `SonarOptimizer`: its kept operands and expert tensors."""
+
+    deferred: DeferredGrads
+    experts: ExpertSet
 
 
 def refuse_unmatched_syncs(syncs: ForwardSyncs | None) -> None:

@@ -254,5 +254,5 @@ def expert_parallel(
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
     if optimizer.schedule == "deferred":  # the step checks that DDP synced its last micro-batch only
-        reduction.forward_syncs = watch_forward_syncs(wrapped)
+        reduction.forward_syncs = watch_forward_syncs(wrapped, optimizer)
     return wrapped
