@@ -224,7 +224,7 @@ def distributed_gap(
         return "schedule", (
             f"schedule='deferred' is not supported on the {engine} engine yet: each rank keeps its own "
             "operands and nothing reduces the expert gradients computed from them at step(); use the "
-            f"default schedule (in-backward updates) there, or the {', '.join(DEFERRED_ENGINES)} engine"
+            f"default schedule (in-backward updates) there, or the {' or '.join(DEFERRED_ENGINES)} engine"
         )
     sharded = sharded_matrices_gap(opt_cfg) if engine in DTENSOR_ENGINES else None
     if sharded is not None:

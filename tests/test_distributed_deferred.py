@@ -1,5 +1,6 @@
-"""schedule="deferred" on DDP, 2 gloo processes: bitwise plain DDP with no_sync() accumulation and one
-clip over every parameter (or the dense ones), or refused at step() before any weight moves.
+"""schedule="deferred" on DDP and expert parallelism, 2 gloo processes: bitwise the plain engine with
+the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler
+(DDP), the logged norm the plain clip's; or refused at step() before any weight moves.
 
 One spawn runs every case (`distributed_cases_deferred`); each rank reports its own comparison.
 """
@@ -10,8 +11,10 @@ import pytest
 import torch
 from distributed_cases_deferred import EXACT, EXACT_EP, MAX_NORM, STEPS, label
 
+import sonar_fx
+
 import distributed_worker
-from helpers import known_library_failure
+from helpers import CFG, known_library_failure
 
 pytestmark = pytest.mark.multiprocess
 EXPERT_TENSORS = 4  # tiny-olmoe: 2 layers x (gate_up, down)
@@ -101,3 +104,13 @@ def test_loop_ddp_reduces_otherwise_is_refused_at_step_before_any_weight_moves(r
         assert run["message"] is not None and all(n in run["message"] for n in names), run["message"]
         assert run["moved"] == []
         assert run["then"] == [], run["then"][:3]  # zero_grad() and the no_sync() loop: exact again
+
+
+def test_the_one_rule_lets_deferred_through_only_where_a_test_shows_it_exact():
+    """DDP and expert parallelism run it (the tests above); FSDP2, FSDP2 x EP and DDP's async
+    in-backward overlap are refused by `distributed_gap`, naming the engines that run it."""
+    for engine in ("ddp", "ep"):
+        assert sonar_fx.api.distributed_gap(CFG, engine, "deferred") is None
+    for engine in ("fsdp2", "fsdp2_ep", "ddp-async"):
+        gap = sonar_fx.api.distributed_gap(CFG, engine, "deferred")
+        assert gap is not None and gap[0] == "schedule" and "ddp or ep engine" in gap[1], gap
