@@ -211,6 +211,52 @@ def grad_scaler(rank: int) -> dict[str, Any]:
     return {"differ": differ(model, twin), "scales": scales}
 
 
+def inf_on_one_rank(rank: int) -> dict[str, Any]:
+    """nonfinite="skip": in step 2 only rank 1's loss is non-finite. DDP's mean spreads it, so every
+    rank skips that step whole (no weight moves on any rank), as plain DDP skipping a step whose
+    clip_grad_norm_ is not finite; the other steps train bitwise alike."""
+    data = data_of(rank, 2)
+    poisoned = (1, 1)  # (step, rank)
+
+    def loss_of(run: Any, b: dict, step: int) -> torch.Tensor:
+        loss = run(**b).loss
+        return loss * float("inf") if (step, rank) == poisoned else loss
+
+    torch._dynamo.reset()
+    model = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    run = sd.ddp(model, cfg_for("all"), nonfinite="skip", schedule="deferred")
+    opt = run.sonar
+    moved_in_skipped: list[str] = []
+    for step, micro_batches in enumerate(data):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for i, b in enumerate(micro_batches):
+            with run.no_sync() if i == 0 else nullcontext():
+                loss_of(run, b, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == poisoned[0]:
+            moved_in_skipped = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    wrapped = DDP(twin)
+    twin_opt = torch.optim.AdamW(
+        list(twin.parameters()), lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay,
+        fused=True,
+    )  # fmt: skip
+    for step, micro_batches in enumerate(data):
+        for i, b in enumerate(micro_batches):
+            with wrapped.no_sync() if i == 0 else nullcontext():
+                loss_of(wrapped, b, step).backward()
+        if torch.isfinite(torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)):
+            twin_opt.step()
+        twin_opt.zero_grad()
+    return {
+        "differ": differ(model, twin),
+        "moved_in_skipped": moved_in_skipped,
+        "skipped_steps": opt.report()["skipped_steps"],
+    }
+
+
 def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     """A step DDP reduced otherwise than once at its last micro-batch: refused at step(), nothing
     moved; zero_grad() drops it and the right loop then trains exactly as plain DDP does."""
@@ -260,6 +306,7 @@ def deferred(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
     out["control/sync_every"] = against_sync_every_micro_batch(rank)
     out["grad_scaler"] = grad_scaler(rank)
+    out["inf_on_one_rank"] = inf_on_one_rank(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     return out

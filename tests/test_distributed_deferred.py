@@ -89,6 +89,14 @@ def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_plain_ddp(ranks
         assert run["differ"] == [], run["differ"][:3]
 
 
+def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for r in ranks:
+        run = r["inf_on_one_rank"]
+        assert run["moved_in_skipped"] == []  # on the clean rank too
+        assert run["skipped_steps"] == 1
+        assert run["differ"] == [], run["differ"][:3]
+
+
 def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):
     for r in ranks:
         assert r["control/sync_every"], "a sync on every micro-batch must give other bits"
