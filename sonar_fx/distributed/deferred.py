@@ -4,9 +4,11 @@ Under `schedule="deferred"` backward keeps, on each rank, the operands of that r
 gradients; `step()` computes each gradient from them, summing the rank's micro-batches locally. DDP
 reduces a gradient once, at the backward that syncs: under the accumulation loop people run
 (`no_sync()` for every micro-batch but the last), the dense gradients reach `step()` as
-`sum_ranks(local_sum * (1/world))`, and so must each expert gradient. `reduce_at_step` applies that
-arithmetic (`MeanAllReduce`'s: mul by 1/world, all-reduce sum) to one computed gradient, in both of
-the deferred step's passes (the norm/scaler verdict and the update).
+`sum_ranks(local_sum * (1/world))`, and so must each expert gradient. `mean_all_reduce` applies that
+arithmetic (mul by 1/world, all-reduce sum) to one computed gradient; `MeanAllReduce.at_step` hands it
+to both of the deferred step's passes (the norm/scaler verdict and the update). Expert parallelism's
+experts are the rank's own (`LocalExperts.at_step`: the 1/world scale alone), but its dense half is
+DDP, so the same loop rule holds there.
 
 A loop that syncs more than once per step has other arithmetic (DDP reduces the running sum at each
 synced backward: (a1 + b1)/2 + a2 ... rather than (a1 + a2 + b1 + b2)/2 in another grouping), and a
