@@ -310,3 +310,16 @@ def deferred(rank: int) -> dict[str, Any]:
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     return out
+
+
+def deferred_inductor(rank: int) -> dict[str, Any]:
+    """The inductor case alone (its own spawn, marked slow): bf16, the clip over all parameters."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # inductor's CPU embedding backward accumulates in parallel
+    try:
+        return {label(*INDUCTOR): exact(rank, *INDUCTOR)}
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+INDUCTOR = ("bf16", "all", "inductor", 2)

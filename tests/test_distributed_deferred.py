@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_cases_deferred import EXACT, EXACT_EP, MAX_NORM, STEPS, label
+from distributed_cases_deferred import EXACT, EXACT_EP, INDUCTOR, MAX_NORM, STEPS, label
 
 import sonar_fx
 
@@ -79,6 +79,18 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
             assert run["graphs"] >= 1 and run["expert_grads_alive"] == len(run["crossed_over"])
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
     assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
+
+
+@pytest.mark.slow
+def test_deferred_on_ddp_under_inductor_equals_plain_ddp_under_inductor(tmp_path):
+    distributed_worker.run("distributed_cases_deferred:deferred_inductor", str(tmp_path))
+    runs = [r[label(*INDUCTOR)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        assert run["differ"] == [], run["differ"][:3]
+        assert run["norms"] == run["twin_norms"] and all(n > MAX_NORM for n in run["norms"])
+        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+        assert run["fallbacks"] == [] and run["graphs"] >= 1
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
 
 
 def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_plain_ddp(ranks):
