@@ -119,7 +119,7 @@ def clip_(rule: str, model: nn.Module, engine: Engine, max_norm: float) -> None:
             local.mul_(torch.clamp(max_norm / (torch.linalg.vector_norm(local) + 1e-6), max=1.0))
 
 
-def ep_global_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float) -> None:
+def ep_global_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """torchtitan's global clip under expert parallelism: the experts as DTensors sharded over the EP
     ranks, whose norm `full_tensor()` reduces; combined with the dense norm as p-th powers."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -130,6 +130,7 @@ def ep_global_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], max_
     total **= 1.0 / 2
     torch.nn.utils.clip_grads_with_norm_(experts, max_norm, total)
     torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+    return total  # the norm torchtitan logs
 
 
 def torch_optimizers(model: nn.Module, cfg: Any) -> list[torch.optim.Optimizer]:

@@ -15,7 +15,7 @@ would reach DDP's buckets and miss the experts: a communication hook, `join()` f
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,10 +24,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.deferred import watch_forward_syncs
 from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import AsyncMeanAllReduce, MeanAllReduce
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
+from sonar_fx.optim.optimizer import NonFinite, Schedule, SonarOptimizer
 from sonar_fx.optim.reduction import require_process_group
 
 
@@ -43,6 +44,7 @@ def ddp(
     fallback: bool = True,
     regional: bool = False,
     ddp_kwargs: dict[str, Any] | None = None,
+    schedule: Schedule = "in_backward",
     **torch_compile_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap `model` (unwrapped, on this rank's device) in DDP for Sonar training; its optimizer is
@@ -52,6 +54,9 @@ def ddp(
     gradient in the backward graph; DDP's optimizer may split the graph, both work). `async_reduce`
     (eager): overlap each expert all-reduce with the next layer's backward, one more expert gradient
     alive. `ddp_kwargs` go to `DistributedDataParallel` (e.g. `gradient_as_bucket_view=True`).
+    `schedule="deferred"` (see `sonar_fx.compile`): each expert gradient computed at `step()` and
+    averaged across ranks there (`sonar_fx.distributed.deferred`), so a compiled graph keeps operands
+    and reduces nothing; accumulate with `no_sync()` on every micro-batch but the last, as DDP does.
     """
     group = require_process_group("sonar_fx.distributed.ddp", process_group)
     if async_reduce and compiler != "eager":
@@ -60,10 +65,12 @@ def ddp(
             "(it is waited for just before the next expert's weight gradient). Drop one of the two."
         )
     refuse_unfit_model(model, "sonar_fx.distributed.ddp", group)
-    reduction = AsyncMeanAllReduce(group) if async_reduce else MeanAllReduce(group)
+    # Deferred: a compiled graph keeps operands and reduces nothing; each gradient is reduced at step().
+    in_graph: Literal["update", "all_reduce"] = "update" if schedule == "deferred" else "all_reduce"
+    reduction = (AsyncMeanAllReduce if async_reduce else MeanAllReduce)(group, in_graph=in_graph)
     model = api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
-        regional=regional, distributed=reduction, **torch_compile_kwargs,
+        regional=regional, distributed=reduction, schedule=schedule, **torch_compile_kwargs,
     )  # fmt: skip
     optimizer = api.sonar_of(model)
     names = expert_names(optimizer)
@@ -72,6 +79,8 @@ def ddp(
     wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
+    if optimizer.schedule == "deferred":  # the step checks that DDP synced its last micro-batch only
+        reduction.forward_syncs = watch_forward_syncs(wrapped, optimizer)
     return wrapped
 
 

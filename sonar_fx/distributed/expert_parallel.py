@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sonar_fx import api
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.distributed.ddp import SonarDDP, expert_names
+from sonar_fx.distributed.deferred import watch_forward_syncs
 from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import LocalExperts
 from sonar_fx.errors import SonarUsageError
@@ -252,4 +253,6 @@ def expert_parallel(
     )
     wrapped.__dict__["sonar"] = optimizer
     reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
+    if optimizer.schedule == "deferred":  # the step checks that DDP synced its last micro-batch only
+        reduction.forward_syncs = watch_forward_syncs(wrapped, optimizer)
     return wrapped

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from sonar_fx.distributed.deferred import ForwardSyncs, mean_all_reduce, refuse_unmatched_syncs
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.norms import plain, total_norm
-from sonar_fx.optim.reduction import Update
+from sonar_fx.optim.reduction import StepReduce, Update
 from sonar_fx.passes.reduce_grads import GraphReduce
 
 if TYPE_CHECKING:
@@ -116,8 +117,17 @@ def refuse_unsynced(name: str, reduction: DenseWrapped) -> None:
         "step local nor leave a micro-batch for later, and would train otherwise than DDP. Refused before "
         "any weight moved. Run every backward with gradient sync and call step() after each; to "
         "accumulate micro-batches, drop no_sync() and opt in with accumulation='per_microbatch' (one "
-        "expert update per micro-batch); schedule='deferred', the exact accumulation, runs in one process "
-        "only. Call optimizer.abandon_step() to drop this backward's dense gradients before going on."
+        "expert update per micro-batch), or keep no_sync() and build the model with schedule='deferred' (the "
+        "exact accumulation, DDP and expert parallelism). Call optimizer.abandon_step() to drop this "
+        "backward's dense gradients before going on."
+    )
+
+
+def not_deferred(engine: str) -> str:
+    """Why the deferred schedule does not run on `engine` (`api.distributed_gap` refuses it first)."""
+    return (
+        f"schedule='deferred' is not supported on the {engine} engine yet: nothing reduces the expert "
+        "gradients computed at step() as that engine would; use the default schedule there."
     )
 
 
@@ -135,6 +145,8 @@ class MeanAllReduce:
     `refuse_unsynced`."""
     replaying: bool = False
     """Inside pass 2 of expert_clip="global" (`without_reducer`)."""
+    forward_syncs: ForwardSyncs | None = None
+    """schedule="deferred": which forwards of the step synced (set by `sonar_fx.distributed.ddp`)."""
 
     @property
     def world_size(self) -> int:
@@ -155,6 +167,10 @@ class MeanAllReduce:
             return
         self._check_tag(name, reduced)
         update(self._wait(self._start(grad, in_place=path == "hook")))
+
+    def at_step(self) -> StepReduce:
+        refuse_unmatched_syncs(self.forward_syncs)  # before any weight moves: DDP synced the last only
+        return lambda name, grad: mean_all_reduce(grad, self.group)
 
     def any_rank(self, local: bool) -> bool:
         # Every expert and dense gradient is averaged before use, so every rank sees the same flags.
@@ -264,6 +280,9 @@ class ShardedGrads:
             )
         update(grad)
 
+    def at_step(self) -> StepReduce:
+        raise SonarUsageError(not_deferred(self.name))
+
     def any_rank(self, local: bool) -> bool:
         if self.expert_group is not None:  # other ranks hold other experts: ask all of them
             return any_rank(local)
@@ -301,6 +320,8 @@ class LocalExperts:
     `refuse_unsynced`."""
     replaying: bool = False
     """Inside pass 2 of expert_clip="global" (`without_reducer`)."""
+    forward_syncs: ForwardSyncs | None = None
+    """schedule="deferred": which forwards of the step synced (set by `expert_parallel`)."""
 
     @property
     def world_size(self) -> int:
@@ -316,6 +337,11 @@ class LocalExperts:
             )
         scale = 1.0 / self.world_size
         update(grad.mul_(scale) if path == "hook" else grad * scale)
+
+    def at_step(self) -> StepReduce:
+        refuse_unmatched_syncs(self.forward_syncs)  # the dense half's DDP synced the last only
+        scale = 1.0 / self.world_size  # the rank's own experts: data-parallel averaging, no collective
+        return lambda name, grad: grad.mul_(scale)
 
     def any_rank(self, local: bool) -> bool:
         # Each rank holds different experts: one rank's non-finite gradient must stop every rank.

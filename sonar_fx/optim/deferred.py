@@ -38,6 +38,7 @@ from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
+from sonar_fx.optim.reduction import StepReduce, step_reduction
 from sonar_fx.passes.recipe import Recipe
 from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
@@ -337,6 +338,7 @@ def step(opt: SonarOptimizer) -> None:
     """The deferred schedule's `step()`: verdicts first (a scaler's inf check, the global norm), then
     the dense step, then each expert computed, clipped, updated and freed in turn."""
     store = opt.deferred
+    reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
     experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
@@ -351,7 +353,7 @@ def step(opt: SonarOptimizer) -> None:
     # that a skipped step is as if never seen (each costs one more computation of every gradient).
     skip_whole = opt.nonfinite_policy.mode == "skip"
     if scaler is not None or clip_all or skip_whole:
-        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled)
+        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
             opt.clipper.abandon()
@@ -378,6 +380,7 @@ def step(opt: SonarOptimizer) -> None:
         name = opt.expert_name(p)
         deferred = not store.arrived_whole(p)
         grad = _step_gradient(opt, p, consume=True, key=p)
+        grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
         try:
             if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
@@ -410,6 +413,7 @@ def _first_pass(
     scaler: ScalerStep | None,
     clip_all: bool,
     unscaled: set[int],
+    reduce: StepReduce,
 ) -> Tensor | None:
     """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
     gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
@@ -420,7 +424,10 @@ def _first_pass(
     for p in experts:
         key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
         unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
-        grad = _step_gradient(opt, p, consume=False, key=key, read_only=not unscale)
+        # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
+        in_place = not unscale and opt.distributed is None
+        grad = _step_gradient(opt, p, consume=False, key=key, read_only=in_place)
+        grad = reduce(opt.expert_name(p), grad)  # the engine's reduction, before the norm and verdict
         if unscale and scaler is not None and found_inf is not None:
             scaler.unscale_(grad, found_inf)
         if clip_all:

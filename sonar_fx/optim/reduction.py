@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 Update = Callable[[Tensor], None]
 """Apply the update of one expert tensor with the given (reduced) gradient."""
+StepReduce = Callable[[str, Tensor], Tensor]
+"""The deferred schedule: (expert tensor name, its gradient computed at `step()` from this rank's
+kept operands) -> the gradient the engine's reduction gives (`GradReduction.at_step`)."""
 
 
 class GradReduction(Protocol):
@@ -66,11 +69,28 @@ class GradReduction(Protocol):
         is a plain 0-d tensor, the same on every rank. Every rank calls it at the same point."""
         ...
 
+    def at_step(self) -> StepReduce:
+        """schedule="deferred", at the start of `step()` (before any weight moves): refuse a loop whose
+        reduction of the dense gradients differs from the one applied to the experts, then give the
+        function that reduces each expert gradient computed at `step()`. Every rank calls it, and the
+        function, at the same points."""
+        ...
+
     def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
         """expert_clip="global", pass 2: a context around the replayed forward and the expert-only
         backward that keeps the engine consistent (DDP: no reducer expecting dense gradients), giving
         the tensors that backward differentiates (`experts`, or the engine's unsharded views of them)."""
         ...
+
+
+def step_reduction(reduction: GradReduction | None) -> StepReduce:
+    """The deferred step's reduction of each computed expert gradient: the engine's (`at_step`), or
+    none in one process."""
+    return _as_computed if reduction is None else reduction.at_step()
+
+
+def _as_computed(name: str, grad: Tensor) -> Tensor:
+    return grad
 
 
 def refuse_unreduced(name: str, reduced: str) -> None:

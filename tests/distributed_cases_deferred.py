@@ -1,0 +1,325 @@
+"""What each rank runs in the tests of the deferred schedule on DDP (`test_distributed_deferred`).
+
+Each case trains one model with Sonar on DDP under schedule="deferred" and its twin in plain torch:
+`DistributedDataParallel` over every parameter, micro-batches accumulated with `no_sync()` on all but
+the last (the user's loop keeps those lines, on both), `clip_grad_norm_` over every parameter (or the
+dense ones) and `AdamW(fused=True)` over [dense, experts]. A case reports which tensors differ on
+this rank (`torch.equal`), a digest of every tensor (ranks must agree), each step's norm as Sonar
+logged it and as the twin's `clip_grad_norm_` returned it, and what the deferred schedule reports.
+The negative control trains the twin with a sync on every micro-batch (other arithmetic): it must
+differ. Loops DDP reduces otherwise are refused at step(): the message and the tensors it moved.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from distributed_cases import DTYPES, differ, digest
+from distributed_cases_options import ENGINES, ep_global_clip_
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sonar_fx
+import sonar_fx.distributed as sd
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.models import build_model
+
+from helpers import CFG, batches
+
+STEPS = 3
+MAX_NORM = 0.05
+"""Below every step's norm on tiny-olmoe: the clip is active on each step (the test checks it)."""
+MODELS = {"ddp": "tiny-olmoe", "ep": "tiny-reference"}
+"""DDP: transformers' grouped_mm experts, whose GEMMs the eager capture keeps. Expert parallelism
+replaces the experts module with its own, whose grouped GEMM is Sonar's custom op: the eager capture
+leaves its gradient whole (exact, nothing saved, said by a warning); a compiled block keeps operands."""
+
+
+def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
+    return replace(CFG, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
+
+
+def data_of(rank: int, accum: int) -> list[list[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches, `accum` per step."""
+    flat = batches(STEPS * accum, seed=1 + rank)
+    return [flat[s * accum : (s + 1) * accum] for s in range(STEPS)]
+
+
+def accumulate(run: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str) -> None:
+    """The user's loop over one step's micro-batches: `no_sync()` on all but the last ("last"), on
+    none ("every"), or on all ("never")."""
+    for i, b in enumerate(micro_batches):
+        quiet = sync == "never" or (sync == "last" and i < len(micro_batches) - 1)
+        with run.no_sync() if quiet else nullcontext():
+            run(**b).loss.backward()
+
+
+# ----------------------------------------------------------------------------------------- the twins
+
+
+def sonar_on(engine: str, dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, nn.Module]:
+    torch._dynamo.reset()
+    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    build = sd.ddp if engine == "ddp" else sd.expert_parallel
+    run = build(model, cfg_for(clip), compiler=compiler, schedule="deferred")
+    return run, run.sonar, model
+
+
+def train_sonar(
+    run: Any, opt: Any, data: list[list[dict]], clip: str, sync: str = "last", seen: dict | None = None
+) -> list[float]:
+    """The loop; `seen` gets what the last step held before `step()` (the memory claim)."""
+    norms = []
+    for micro_batches in data:
+        accumulate(run, micro_batches, sync)
+        if seen is not None:
+            experts = opt.expert_group["params"]
+            seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
+            seen["kept_bytes"] = opt.deferred.live_bytes
+            seen["expert_grad_bytes"] = sum(p.numel() * p.element_size() for p in experts)
+            seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
+        opt.step()
+        opt.zero_grad()
+        logged = opt.grad_norms()
+        norms.append(logged["total"] if clip == "all" else logged["dense"])
+    return norms
+
+
+def train_plain(
+    engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last"
+) -> tuple[nn.Module, list[float]]:
+    """Plain DDP over every parameter (expert parallelism: the experts sharded, out of DDP, their
+    gradients scaled by 1/world as data-parallel averaging implies), fused AdamW over [dense, experts],
+    clip over `clip` (expert parallelism, all: torchtitan's norm, `ep_global_clip_`)."""
+    torch._dynamo.reset()
+    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    if engine == "ddp":
+        wrapped = DDP(model)
+        run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
+    else:
+        run = wrapped = ENGINES["ep"].standard(model, compiler)
+    experts = ExpertSet.discover(model).names_by_id()
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    expert_params = [p for p in model.parameters() if id(p) in experts]
+    opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=expert_params)],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    norms = []
+    for micro_batches in data:
+        for i, b in enumerate(micro_batches):
+            quiet = sync == "last" and i < len(micro_batches) - 1
+            with wrapped.no_sync() if quiet else nullcontext():
+                run(**b).loss.backward()
+        if engine == "ep":
+            for p in expert_params:
+                p.grad.mul_(ENGINES["ep"].expert_scale)
+        if engine == "ep" and clip == "all":
+            norms.append(float(ep_global_clip_(dense, expert_params, MAX_NORM)))
+        else:
+            clipped = list(model.parameters()) if clip == "all" else dense
+            norms.append(float(torch.nn.utils.clip_grad_norm_(clipped, MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return model, norms
+
+
+# ------------------------------------------------------------------------------------------- cases
+
+
+def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp") -> dict[str, Any]:
+    """Sonar deferred on the engine against the plain engine with the same no_sync() loop."""
+    data = data_of(rank, accum)
+    run, opt, model = sonar_on(engine, DTYPES[dtype], clip, compiler)
+    seen: dict[str, Any] = {}
+    norms = train_sonar(run, opt, data, clip, seen=seen)
+    report = opt.report()
+    twin, twin_norms = train_plain(engine, DTYPES[dtype], clip, compiler, data)
+    return {
+        "differ": differ(model, twin),
+        "digest": digest(model),
+        "dense_digest": digest(model, dense_only=True),
+        "updates_kept_whole": report["updates_kept_whole"],
+        "norms": norms,
+        "twin_norms": twin_norms,
+        "updates_deferred": report["updates_deferred"],
+        "kept_whole": report["deferred"]["kept_whole"],
+        "kept_operand_peak": report["deferred"]["kept_operand_peak"],
+        "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
+        "crossed_over": report["deferred"]["crossed_over"],
+        "step_grad_peak": report["expert_grad_bytes"]["measured_peak"],
+        **seen,
+        "fallbacks": report["fallbacks"],
+    }
+
+
+def against_sync_every_micro_batch(rank: int) -> list[str]:
+    """Negative control: the twin syncs every micro-batch (DDP reduces the running sum each time)."""
+    data = data_of(rank, 4)
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
+    train_sonar(run, opt, data, "all")
+    twin, _ = train_plain("ddp", torch.float32, "all", "eager", data, sync="every")
+    return differ(model, twin)
+
+
+def grad_scaler(rank: int) -> dict[str, Any]:
+    """fp16 CPU autocast, fp32 weights, 2 micro-batches under the user's no_sync() loop and the
+    ordinary scaler calls on both sides; a scale that grows into overflow every other step, so steps
+    are skipped (on every rank alike: the verdict is taken on reduced gradients) and the scale backs
+    off as in plain DDP."""
+    kw = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
+    data = batches(10, seed=1 + rank)
+    steps = [data[i : i + 2] for i in range(0, 10, 2)]
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
+    ours = torch.amp.GradScaler("cpu", **kw)
+    scales: list[list[float]] = []
+    for micro_batches in steps:
+        for i, b in enumerate(micro_batches):
+            with run.no_sync() if i == 0 else nullcontext(), torch.autocast("cpu", dtype=torch.float16):
+                loss = run(**b).loss
+            with run.no_sync() if i == 0 else nullcontext():
+                ours.scale(loss).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+        scales.append([ours.get_scale()])
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    experts = ExpertSet.discover(twin).names_by_id()
+    dense = [p for p in twin.parameters() if id(p) not in experts]
+    wrapped = DDP(twin)
+    twin_opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=[p for p in twin.parameters() if id(p) in experts])],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    theirs = torch.amp.GradScaler("cpu", **kw)
+    for n, micro_batches in enumerate(steps):
+        for i, b in enumerate(micro_batches):
+            with wrapped.no_sync() if i == 0 else nullcontext():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = wrapped(**b).loss
+                theirs.scale(loss).backward()
+        theirs.unscale_(twin_opt)
+        torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)
+        theirs.step(twin_opt)
+        theirs.update()
+        twin_opt.zero_grad()
+        scales[n].append(theirs.get_scale())
+    return {"differ": differ(model, twin), "scales": scales}
+
+
+def inf_on_one_rank(rank: int) -> dict[str, Any]:
+    """nonfinite="skip": in step 2 only rank 1's loss is non-finite. DDP's mean spreads it, so every
+    rank skips that step whole (no weight moves on any rank), as plain DDP skipping a step whose
+    clip_grad_norm_ is not finite; the other steps train bitwise alike."""
+    data = data_of(rank, 2)
+    poisoned = (1, 1)  # (step, rank)
+
+    def loss_of(run: Any, b: dict, step: int) -> torch.Tensor:
+        loss = run(**b).loss
+        return loss * float("inf") if (step, rank) == poisoned else loss
+
+    torch._dynamo.reset()
+    model = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    run = sd.ddp(model, cfg_for("all"), nonfinite="skip", schedule="deferred")
+    opt = run.sonar
+    moved_in_skipped: list[str] = []
+    for step, micro_batches in enumerate(data):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for i, b in enumerate(micro_batches):
+            with run.no_sync() if i == 0 else nullcontext():
+                loss_of(run, b, step).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == poisoned[0]:
+            moved_in_skipped = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    wrapped = DDP(twin)
+    twin_opt = torch.optim.AdamW(
+        list(twin.parameters()), lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay,
+        fused=True,
+    )  # fmt: skip
+    for step, micro_batches in enumerate(data):
+        for i, b in enumerate(micro_batches):
+            with wrapped.no_sync() if i == 0 else nullcontext():
+                loss_of(wrapped, b, step).backward()
+        if torch.isfinite(torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)):
+            twin_opt.step()
+        twin_opt.zero_grad()
+    return {
+        "differ": differ(model, twin),
+        "moved_in_skipped": moved_in_skipped,
+        "skipped_steps": opt.report()["skipped_steps"],
+    }
+
+
+def refused_loop(rank: int, sync: str) -> dict[str, Any]:
+    """A step DDP reduced otherwise than once at its last micro-batch: refused at step(), nothing
+    moved; zero_grad() drops it and the right loop then trains exactly as plain DDP does."""
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
+    accumulate(run, batches(2, seed=100 + rank), sync)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    message = None
+    try:
+        opt.step()
+    except sonar_fx.SonarUsageError as err:
+        message = str(err)
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    opt.zero_grad()
+    data = data_of(rank, 2)
+    train_sonar(run, opt, data, "all")
+    twin, _ = train_plain("ddp", torch.float32, "all", "eager", data)
+    return {"message": message, "moved": moved, "then": differ(model, twin)}
+
+
+EXACT = [
+    ("fp32", "all", "eager", 4),
+    ("bf16", "all", "eager", 3),
+    ("fp32", "dense", "eager", 2),
+    ("fp32", "all", "aot_eager", 2),
+    ("bf16", "all", "aot_eager", 4),
+    ("bf16", "dense", "aot_eager", 3),
+]
+"""(dtype, clip, compiler, micro-batches per step): every dtype and compiler with the clip over all
+parameters, and the dense-only clip on each compiler."""
+
+
+EXACT_EP = [
+    ("fp32", "all", "eager", 3, "ep"),
+    ("bf16", "all", "aot_eager", 2, "ep"),
+    ("fp32", "dense", "aot_eager", 4, "ep"),
+]
+"""Expert parallelism (tiny-reference, as its other tests): the clip over all parameters eager and
+compiled, the dense-only clip compiled."""
+
+
+def label(dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp") -> str:
+    return f"{engine}/{dtype}/{clip}/{compiler}/{accum}"
+
+
+def deferred(rank: int) -> dict[str, Any]:
+    """Every case, in one spawn."""
+    out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
+    out["control/sync_every"] = against_sync_every_micro_batch(rank)
+    out["grad_scaler"] = grad_scaler(rank)
+    out["inf_on_one_rank"] = inf_on_one_rank(rank)
+    out["refused/every"] = refused_loop(rank, "every")
+    out["refused/never"] = refused_loop(rank, "never")
+    return out
+
+
+def deferred_inductor(rank: int) -> dict[str, Any]:
+    """The inductor case alone (its own spawn, marked slow): bf16, the clip over all parameters."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # inductor's CPU embedding backward accumulates in parallel
+    try:
+        return {label(*INDUCTOR): exact(rank, *INDUCTOR)}
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+INDUCTOR = ("bf16", "all", "inductor", 2)

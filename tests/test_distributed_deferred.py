@@ -1,0 +1,136 @@
+"""schedule="deferred" on DDP and expert parallelism, 2 gloo processes: bitwise the plain engine with
+the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler
+(DDP), the logged norm the plain clip's; or refused at step() before any weight moves.
+
+One spawn runs every case (`distributed_cases_deferred`); each rank reports its own comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed_cases_deferred import EXACT, EXACT_EP, INDUCTOR, MAX_NORM, STEPS, label
+
+import sonar_fx
+
+import distributed_worker
+from helpers import CFG, known_library_failure
+
+pytestmark = pytest.mark.multiprocess
+EXPERT_TENSORS = 4  # tiny-olmoe: 2 layers x (gate_up, down)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("deferred")
+    distributed_worker.run("distributed_cases_deferred:deferred", str(out))
+    return distributed_worker.results(str(out))
+
+
+def marked(case: tuple) -> object:
+    dtype, compiler = case[0], case[2]
+    compiled_fp32 = compiler != "eager" and dtype == "fp32"
+    marks = known_library_failure(grouped_mm_compiled=torch.float32) if compiled_fp32 else ()
+    return pytest.param(case, marks=marks, id=label(*case))
+
+
+@pytest.mark.parametrize("case", [marked(c) for c in EXACT])
+def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case):
+    runs = [r[label(*case)] for r in ranks]
+    accum = case[3]
+    for run in runs:
+        assert run["differ"] == [], run["differ"][:3]
+        assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]  # clip active each step
+        # The norm Sonar logs is the one the plain engine's clip_grad_norm_ returns, bit for bit.
+        assert run["norms"] == run["twin_norms"]
+        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS
+        assert run["kept_whole"] == []  # every expert gradient came from kept operands
+        assert run["kept_operand_peak"] > 0
+        assert run["fallbacks"] == []
+        # The saving: before step() only a tensor that crossed over (its operands outgrew its gradient:
+        # 3-4 micro-batches here) holds a gradient (DDP's buckets hold dense ones only); with 2
+        # micro-batches none does and the kept operands are below the expert gradients; at step() one
+        # expert gradient is alive at a time (the meter's peak: the biggest tensor).
+        assert run["expert_grads_alive"] == len(run["crossed_over"])
+        if accum == 2:
+            assert run["crossed_over"] == {}
+            assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
+        assert run["step_grad_peak"] == run["biggest_expert"]
+        if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
+            assert run["graphs"] >= 1, run
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
+
+
+@pytest.mark.parametrize("case", EXACT_EP, ids=[label(*c) for c in EXACT_EP])
+def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumulation(ranks, case):
+    """Each rank's own experts, scaled by 1/world at step() (no collective), the dense half through
+    DDP; the norm over every parameter is torchtitan's (each expert counted once)."""
+    runs = [r[label(*case)] for r in ranks]
+    for run in runs:
+        assert run["differ"] == [], run["differ"][:3]
+        assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
+        assert run["norms"] == run["twin_norms"]
+        assert run["fallbacks"] == []
+        assert run["step_grad_peak"] == run["biggest_expert"]
+        if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
+            assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
+        else:  # the compiled blocks keep the operands
+            assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+            assert run["graphs"] >= 1 and run["expert_grads_alive"] == len(run["crossed_over"])
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
+    assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
+
+
+@pytest.mark.slow
+def test_deferred_on_ddp_under_inductor_equals_plain_ddp_under_inductor(tmp_path):
+    distributed_worker.run("distributed_cases_deferred:deferred_inductor", str(tmp_path))
+    runs = [r[label(*INDUCTOR)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        assert run["differ"] == [], run["differ"][:3]
+        assert run["norms"] == run["twin_norms"] and all(n > MAX_NORM for n in run["norms"])
+        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+        assert run["fallbacks"] == [] and run["graphs"] >= 1
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
+
+
+def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_plain_ddp(ranks):
+    for r in ranks:
+        run = r["grad_scaler"]
+        assert all(ours == theirs for ours, theirs in run["scales"]), run["scales"]
+        assert len({ours for ours, _ in run["scales"]}) > 1  # some steps overflowed, some stepped
+        assert run["differ"] == [], run["differ"][:3]
+
+
+def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for r in ranks:
+        run = r["inf_on_one_rank"]
+        assert run["moved_in_skipped"] == []  # on the clean rank too
+        assert run["skipped_steps"] == 1
+        assert run["differ"] == [], run["differ"][:3]
+
+
+def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):
+    for r in ranks:
+        assert r["control/sync_every"], "a sync on every micro-batch must give other bits"
+
+
+@pytest.mark.parametrize(
+    ("sync", "names"),
+    [("every", ["micro-batch 1 of 2", "with model.no_sync():"]), ("never", ["last micro-batch", "outside"])],
+)
+def test_loop_ddp_reduces_otherwise_is_refused_at_step_before_any_weight_moves(ranks, sync, names):
+    for r in ranks:
+        run = r[f"refused/{sync}"]
+        assert run["message"] is not None and all(n in run["message"] for n in names), run["message"]
+        assert run["moved"] == []
+        assert run["then"] == [], run["then"][:3]  # zero_grad() and the no_sync() loop: exact again
+
+
+def test_the_one_rule_lets_deferred_through_only_where_a_test_shows_it_exact():
+    """DDP and expert parallelism run it (the tests above); FSDP2, FSDP2 x EP and DDP's async
+    in-backward overlap are refused by `distributed_gap`, naming the engines that run it."""
+    for engine in ("ddp", "ep"):
+        assert sonar_fx.api.distributed_gap(CFG, engine, "deferred") is None
+    for engine in ("fsdp2", "fsdp2_ep", "ddp-async"):
+        gap = sonar_fx.api.distributed_gap(CFG, engine, "deferred")
+        assert gap is not None and gap[0] == "schedule" and "ddp or ep engine" in gap[1], gap
