@@ -47,15 +47,17 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         assert run["kept_whole"] == []  # every expert gradient came from kept operands
         assert run["kept_operand_peak"] > 0
         assert run["fallbacks"] == []
-        # The saving: before step() only a tensor that crossed over (its operands outgrew its gradient:
-        # 3-4 micro-batches here) holds a gradient (DDP's buckets hold dense ones only); with 2
-        # micro-batches none does and the kept operands are below the expert gradients; at step() one
-        # expert gradient is alive at a time (the meter's peak: the biggest tensor).
-        assert run["expert_grads_alive"] == len(run["crossed_over"])
+        # The saving: before step() no expert `.grad` exists (DDP's buckets hold dense ones only) and only
+        # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
+        # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
+        # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
+        # pieces are summed), beside those held since their crossover: the meter's peak says so.
+        assert run["expert_grads_alive"] == 0
+        assert run["held"] == len(run["crossed_over"])
         if accum == 2:
             assert run["crossed_over"] == {}
             assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
-        assert run["step_grad_peak"] == run["biggest_expert"]
+        assert run["biggest_expert"] <= run["step_grad_peak"] <= run["held_bytes"] + 2 * run["biggest_expert"]
         if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
             assert run["graphs"] >= 1, run
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
@@ -71,12 +73,13 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
         assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
         assert run["norms"] == run["twin_norms"]
         assert run["fallbacks"] == []
-        assert run["step_grad_peak"] == run["biggest_expert"]
+        assert run["biggest_expert"] <= run["step_grad_peak"] <= run["held_bytes"] + 2 * run["biggest_expert"]
         if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
             assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
         else:  # the compiled blocks keep the operands
             assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
-            assert run["graphs"] >= 1 and run["expert_grads_alive"] == len(run["crossed_over"])
+            assert run["graphs"] >= 1 and run["expert_grads_alive"] == 0
+            assert run["held"] == len(run["crossed_over"])
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
     assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
 

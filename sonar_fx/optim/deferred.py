@@ -88,6 +88,8 @@ class _Pending:
     """Graph task id -> the contributions of a backward still running."""
     folded: bool = False
     """Crossed over: `closed` holds at most one gradient, each open backward one running sum."""
+    metered: dict[int, Tensor] = field(default_factory=dict)
+    """The gradient-sized tensors held (whole gradients, sums) as the meter counts them."""
 
     def groups(self) -> list[list[Entry]]:
         """Every backward's contributions, in the order their sums are added (a backward that raised
@@ -140,6 +142,8 @@ class DeferredGrads:
     """The step's kept contributions, per expert tensor and per backward, and what they cost."""
 
     kept: dict[int, _Pending] = field(default_factory=dict)
+    meter: ExpertGradMeter | None = None
+    """Counts every gradient-sized tensor held here, alive from backward to `step()` (`_count`)."""
     live_bytes: int = 0
     """Bytes kept now (storage bytes: a kept view keeps its whole storage): operands, and the gradients
     kept whole (arrived whole, or crossed over), which standard training would hold in `.grad`."""
@@ -174,6 +178,7 @@ class DeferredGrads:
         pending = self.kept.setdefault(id(param), _Pending(param))
         pending.closed.insert(0, [grad])
         self._grow(_entry_bytes(grad))
+        self._count(pending)
 
     def _contribute(self, param: Tensor, name: str, entry: Entry) -> None:
         pending = self.kept.get(id(param))
@@ -192,14 +197,18 @@ class DeferredGrads:
             group.append(entry)
             self._grow(_entry_bytes(entry))
         held = pending.nbytes()
-        if not pending.folded and held > param.numel() * param.element_size():
+        # The crossover is the operands outgrowing the gradient; whole gradients are summed at each
+        # backward's end (`_close`) and never cross over by themselves.
+        operands = sum(e.nbytes for g in pending.groups() for e in g if isinstance(e, _Kept))
+        if not pending.folded and operands > param.numel() * param.element_size():
             pending.fold_closed()
             for task, open_group in pending.open.items():
                 running_sum = _sum(open_group, param, own=True)
                 pending.open[task] = [running_sum] if running_sum is not None else []
             pending.folded = True
             self._grow(pending.nbytes() - held)
-            self.crossed[name] = held
+            self.crossed[name] = operands
+        self._count(pending)
 
     def _group(self, pending: _Pending) -> list[Entry]:
         """The running backward's contributions of `pending` (a call outside any backward: one of its own)."""
@@ -212,6 +221,25 @@ class DeferredGrads:
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(functools.partial(self._close, task))
         return pending.open.setdefault(task, [])
+
+    def _count(self, pending: _Pending) -> None:
+        """The meter's count of `pending`'s held gradient-sized tensors made what it holds now: those
+        dropped (summed into another) freed first, then those new."""
+        if self.meter is None:
+            return
+        now = {id(e): e for g in pending.groups() for e in g if isinstance(e, Tensor)}
+        for key in [k for k in pending.metered if k not in now]:
+            self.meter.freed(pending.metered.pop(key))
+        for key, t in now.items():
+            if key not in pending.metered:
+                pending.metered[key] = t
+                self.meter.appeared(t, t.numel() * t.element_size())
+
+    def _uncount(self, pending: _Pending) -> None:
+        if self.meter is not None:
+            for t in pending.metered.values():
+                self.meter.freed(t)
+        pending.metered.clear()
 
     def _grow(self, nbytes: int) -> None:
         self.live_bytes += nbytes
@@ -231,6 +259,7 @@ class DeferredGrads:
                 before = pending.nbytes()
                 pending.fold_closed()
                 self._grow(pending.nbytes() - before)
+                self._count(pending)
 
     def has(self, param: Tensor) -> bool:
         return id(param) in self.kept or param.grad is not None
@@ -280,12 +309,15 @@ class DeferredGrads:
             param.grad = None
             if pending is not None:
                 self.live_bytes -= pending.nbytes()
+                self._uncount(pending)  # the caller counts the gradient it gets (`_step_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
         return _accumulate(groups, param, own=consume)
 
     def clear(self) -> None:
         """Drop every kept contribution (`zero_grad`)."""
+        for pending in self.kept.values():
+            self._uncount(pending)
         self.kept.clear()
         self.live_bytes = 0
 
@@ -447,9 +479,12 @@ def _step_gradient(
     it (`read_only`: no unscaling in place): no second copy."""
     store, meter = opt.deferred, opt.meter
     nbytes = p.numel() * p.element_size()
-    held = store.held(p)  # counted under `p` since it was held (`keep_whole_`, the crossover)
+    held = store.held(p)  # counted by the store while it holds it (arrived whole, or crossed over)
     if not consume and read_only and held is not None:
         raw = held
+    elif consume and held is not None:  # the held tensor itself is the step's gradient: counted anew
+        raw = _required(store.gradient(p, consume=True))
+        meter.appeared(key, nbytes)
     else:
         meter.appeared(key, nbytes)
         if store.pieces(p) > 1:  # the sum holds one piece beside the running total
@@ -458,7 +493,7 @@ def _step_gradient(
     grad = grad_like_param(p, raw)
     if grad is not raw:  # a layout copy: counted under `key`, with its source beside it for a moment
         meter.appeared(key, nbytes)
-        if raw is not held:  # (a held source stays counted under `p`)
+        if raw is not held:  # (a held source is counted already)
             alive_for_a_moment(meter, nbytes)
     return grad
 

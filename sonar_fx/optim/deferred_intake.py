@@ -50,9 +50,8 @@ def keep_operands(opt: SonarOptimizer, param: Tensor, recipe: str, operands: lis
     crossed = opt.deferred.crossed_over(param)
     opt.deferred.add(param, name, recipe, operands)
     if opt.deferred.crossed_over(param) and not crossed:
-        # Past the crossover: its gradient is held from now until step(), alive (and said so).
+        # Past the crossover: its gradient is held from now until step() (the store counts it alive).
         nbytes = param.numel() * param.element_size()
-        opt.meter.appeared(param, nbytes)
         opt.saving.crossed_over(name, operand_bytes=opt.deferred.crossed[name], grad_bytes=nbytes)
 
 
@@ -60,6 +59,6 @@ def keep_whole(opt: SonarOptimizer, param: Tensor) -> None:
     """`param.grad` arrived whole (autograd computed it; no operands were kept): moved to its kept
     contributions, alive until `step()`, and the saving guard says why."""
     name, nbytes = opt.expert_name(param), param.grad.nbytes if param.grad is not None else 0
-    opt.meter.appeared(param, nbytes)
     opt.saving.kept_whole(name, nbytes, compiler=opt.compiler)
+    opt.meter.freed(param)  # counted as a graph returned it: the store counts it from here on
     opt.deferred.add_whole(param, name)

@@ -127,7 +127,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.tracker = StepTracker(self.accumulation)
         self.grad_watch = DenseGradWatch()
         self.meter = ExpertGradMeter()
-        self.deferred = DeferredGrads()
+        self.deferred = DeferredGrads(meter=self.meter)
         self.loop = deferred_loop.DeferredLoop()  # what the loop did to gradients, for the deferred step
         self.steps_ended = 0
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
