@@ -51,13 +51,14 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
         # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
         # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
-        # pieces are summed), beside those held since their crossover: the meter's peak says so.
+        # pieces are summed), beside those held since their crossover, each of which holds two in a later
+        # backward (the earlier backwards' sum and this one's running sum): the meter's peak says so.
         assert run["expert_grads_alive"] == 0
         assert run["held"] == len(run["crossed_over"])
         if accum == 2:
             assert run["crossed_over"] == {}
             assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
-        assert run["biggest_expert"] <= run["step_grad_peak"] <= run["held_bytes"] + 2 * run["biggest_expert"]
+        assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
         if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
             assert run["graphs"] >= 1, run
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
@@ -73,7 +74,7 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
         assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
         assert run["norms"] == run["twin_norms"]
         assert run["fallbacks"] == []
-        assert run["biggest_expert"] <= run["step_grad_peak"] <= run["held_bytes"] + 2 * run["biggest_expert"]
+        assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
         if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
             assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
         else:  # the compiled blocks keep the operands
