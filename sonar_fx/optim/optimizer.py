@@ -7,7 +7,9 @@ for a config that updates hidden matrices apart (Muon), "dense_matrices" (end-of
 the other dense gradients). The arithmetic is an update rule chosen from the config type (AdamW, Adam,
 SGD, Lion, Muon; see `rules`); around it live, each in its own module, the clipping and gradient
 norms (`norms`), the two passes of exact global clipping (`global_clip`), the non-finite policy
-(`nonfinite`), the step's bookkeeping (`step_tracker`) and `report`.
+(`nonfinite`), the step's bookkeeping (`step_tracker`), the groups (`param_groups`), the dense half of
+the step (`dense_step`), the deferred schedule's intake and step (`deferred_intake`, `deferred_step`)
+and `report`.
 The optimizer binds its expert tensors to itself in the runtime registry (weakly), so whatever runs
 in backward finds it from the tensor at hand; a deep copy or an unpickled optimizer binds its own
 tensors. It never decides where updates run; the eager hooks and the graph pass do.
@@ -26,7 +28,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, ExpertSet
 from sonar_fx.memory import ExpertGradBytes
-from sonar_fx.optim import added_groups, deferred, deferred_intake, deferred_loop, global_clip, lowbit
+from sonar_fx.optim import added_groups, deferred_intake, deferred_loop, deferred_step, global_clip, lowbit
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.checks import (
     check_options,
@@ -352,7 +354,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         refuse_group_edits(self.group_rules())  # before any weight moves: a flag edited mid-run
         self.tracker.before_step()
         if self.schedule == "deferred":
-            deferred.step(self)
+            deferred_step.step(self)
             return
         if not self.tracker.updated and self.grad_watch.stale(self._dense):
             refuse_second_step()

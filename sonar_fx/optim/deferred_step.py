@@ -1,0 +1,192 @@
+"""The deferred schedule's `step()`: verdicts first (a GradScaler's inf check, the global norm over
+every parameter, nonfinite="skip"), then the dense step, then each expert gradient computed from its
+kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it, clipped, updated and
+freed in turn, one at a time. The arithmetic of the kept contributions is `deferred`'s; this module only
+orders the passes and counts what each holds alive (`_step_gradient`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from sonar_fx.config import OptimizerConfig
+from sonar_fx.optim import deferred_loop, global_clip
+from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.amp import ScalerStep, scaler_step
+from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.nonfinite import NonFinitePolicy
+from sonar_fx.optim.norms import ExpertClipper
+from sonar_fx.optim.reduction import StepReduce, step_reduction
+from sonar_fx.runtime.meter import ExpertGradMeter
+
+
+class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protocol):
+    """What the deferred step reads and calls of `SonarOptimizer` (which imports this module)."""
+
+    cfg: OptimizerConfig
+    clipper: ExpertClipper
+    deferred: DeferredGrads
+    loop: deferred_loop.DeferredLoop
+    param_groups: list[dict[str, Any]]
+    meter: ExpertGradMeter
+    nonfinite_policy: NonFinitePolicy
+
+    def expert_name(self, param: Tensor) -> str: ...
+
+    def dense_step(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def check_deferred(self, name: str, param: Tensor, grad: Tensor | None) -> None: ...
+
+    def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None: ...
+
+    def _any_rank(self, local: bool) -> bool: ...
+
+
+@torch.no_grad()
+def step(opt: SonarOptimizer) -> None:
+    """The deferred schedule's `step()`: verdicts first (a scaler's inf check, the global norm), then
+    the dense step, then each expert computed, clipped, updated and freed in turn."""
+    store = opt.deferred
+    reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
+    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
+    store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
+    for p in experts:  # before any weight moves (the dense step's included): a model cast after its
+        opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped
+    scaler = scaler_step(opt)
+    deferred_loop.refuse_before_step(opt, scaled=scaler is not None)
+    # A gradient already in `.grad` (crossed over, or kept whole) sat in param_groups when the scaler
+    # unscaled and checked them: unscaling it again would divide it by the scale twice.
+    unscaled = {id(p) for p in experts if p.grad is not None} if scaler is not None else set()
+    clip_all = opt.cfg.expert_clip == "global"
+    # A verdict before any weight moves: the scaler's, the global norm, or nonfinite="skip"'s promise
+    # that a skipped step is as if never seen (each costs one more computation of every gradient).
+    skip_whole = opt.nonfinite_policy.mode == "skip"
+    if scaler is not None or clip_all or skip_whole:
+        found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
+        if scaler is not None and found_inf is not None and found_inf.item():
+            scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
+            opt.clipper.abandon()
+            return
+        if clip_all and global_clip._global_norm(opt) is None:
+            experts = []  # nonfinite="skip": the dense step below skips too
+        elif skip_whole and not clip_all and not opt.clipper.skip_step:
+            experts = [] if _skip_for_experts(opt) else experts
+        if clip_all:
+            opt.clipper.backward_pass = "update"  # the expert updates clip by the global coefficient
+    if opt.loop.clip is not None:  # model.sonar.clip_grad_norm_: its norms and coefficient, recorded
+        opt.clipper.coef, opt.clipper.backward_pass = opt.loop.clip.coef, "update"
+    skipped = opt.clipper.skip_step
+    opt.dense_step()
+    if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
+        store.clear()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        opt.end_step()
+        return
+    names = []
+    for p in experts:
+        name = opt.expert_name(p)
+        deferred = not store.arrived_whole(p)
+        grad = _step_gradient(opt, p, consume=True, key=p)
+        grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
+        try:
+            if scaler is not None and id(p) not in unscaled:
+                scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
+            opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
+        finally:
+            opt.meter.freed(p)
+        del grad  # freed before the next tensor's gradient is computed: one alive at a time, not two
+        names.append(name)
+    err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
+    opt.end_step()
+    if err is not None:
+        raise err
+
+
+def _skip_for_experts(opt: SonarOptimizer) -> bool:
+    """nonfinite="skip", dense clip: whether an expert norm of the first pass is non-finite (the step
+    then skips whole, the dense half included, before any update)."""
+    norms = opt.clipper.current.experts
+    bad = [name for name, n in norms.items() if not bool(torch.isfinite(n))]
+    if not bad:
+        return False
+    opt.nonfinite_policy.skip_before_update(bad, opt.stats)
+    opt.clipper.skip_step = True
+    return True
+
+
+def _first_pass(
+    opt: SonarOptimizer,
+    experts: list[Tensor],
+    scaler: ScalerStep | None,
+    clip_all: bool,
+    unscaled: set[int],
+    reduce: StepReduce,
+) -> Tensor | None:
+    """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
+    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
+    Returns the experts' inf verdict (scaler only)."""
+    found_inf = None
+    if scaler is not None and experts:
+        found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
+    for p in experts:
+        key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
+        unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
+        # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
+        in_place = not unscale and opt.distributed is None
+        grad = _step_gradient(opt, p, consume=False, key=key, read_only=in_place)
+        grad = reduce(opt.expert_name(p), grad)  # the engine's reduction, before the norm and verdict
+        if unscale and scaler is not None and found_inf is not None:
+            scaler.unscale_(grad, found_inf)
+        if clip_all:
+            opt.clipper.norm_of(opt.expert_name(p), grad)
+        del grad
+        opt.meter.freed(key)
+    return found_inf
+
+
+def _step_gradient(
+    opt: SonarOptimizer, p: Tensor, *, consume: bool, key: object, read_only: bool = False
+) -> Tensor:
+    """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
+    holds it, with what is alive beside it while it is made: one more gradient-sized tensor when pieces
+    are summed (backwards, or a gradient held and kept operands), and a layout copy's source. The
+    norm pass (`consume=False`) reads a gradient already held as one tensor in place when it only reads
+    it (`read_only`: no unscaling in place): no second copy."""
+    store, meter = opt.deferred, opt.meter
+    nbytes = p.numel() * p.element_size()
+    held = store.held(p)  # counted by the store while it holds it (arrived whole, or crossed over)
+    if not consume and read_only and held is not None:
+        raw = held
+    elif consume and held is not None:  # the held tensor itself is the step's gradient: counted anew
+        raw = _required(store.gradient(p, consume=True))
+        meter.appeared(key, nbytes)
+    else:
+        meter.appeared(key, nbytes)
+        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
+            alive_for_a_moment(meter, nbytes)
+        raw = _required(store.gradient(p, consume=consume))
+    grad = grad_like_param(p, raw)
+    if grad is not raw:  # a layout copy: counted under `key`, with its source beside it for a moment
+        meter.appeared(key, nbytes)
+        if raw is not held:  # (a held source is counted already)
+            alive_for_a_moment(meter, nbytes)
+    return grad
+
+
+def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
+    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
+    temporary = object()
+    meter.appeared(temporary, nbytes)
+    meter.freed(temporary)
+
+
+def _required(grad: Tensor | None) -> Tensor:
+    assert grad is not None, "an expert with neither kept operands nor a gradient was stepped"
+    return grad
