@@ -58,7 +58,9 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         if accum == 2:
             assert run["crossed_over"] == {}
             assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
-        assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+        assert (
+            run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+        )
         if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
             assert run["graphs"] >= 1, run
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
@@ -74,7 +76,9 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
         assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
         assert run["norms"] == run["twin_norms"]
         assert run["fallbacks"] == []
-        assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+        assert (
+            run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+        )
         if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
             assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
         else:  # the compiled blocks keep the operands
