@@ -15,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.checks import refuse_unseen_grad_hooks
 from sonar_fx.optim.update_rule import UpdateRule
+from sonar_fx.runtime.engine import NO_TASK
 
 GroupRules = Iterable[tuple[dict[str, Any], UpdateRule]]
 """(param group, the rule that updates it), as `SonarOptimizer.group_rules()` gives them."""
@@ -106,6 +108,8 @@ class Optimizer(Protocol):
     def group_rules(self) -> list[tuple[dict[str, Any], Any]]: ...
 
     experts: ExpertSet
+    checked_in_backward: tuple[int, str] | None
+    """(graph task, path) that `refuse_before_update` last checked: once per backward is enough."""
 
     def expert_name(self, param: Tensor) -> str: ...
 
@@ -114,7 +118,12 @@ def refuse_before_update(opt: Optimizer, path: str) -> None:
     """The checks of every expert update (or hand-over of its operands, `path="deferred"`), before it
     runs: `refuse_group_edits`, and, where autograd never hands the gradient to a hook of the user's (a
     graph consumed it, or it is computed at `step()`), `checks.refuse_unseen_grad_hooks` over every
-    expert tensor, so a hook anywhere is refused before the first expert of the backward moves."""
+    expert tensor, so a hook anywhere is refused before the first expert of the backward moves. Once
+    per backward: no loop code runs between two updates of one backward to edit a group or add a hook."""
+    task = torch._C._current_graph_task_id()
+    if task != NO_TASK and opt.checked_in_backward == (task, path):
+        return
     refuse_group_edits(opt.group_rules())
     if path in ("graph", "deferred"):
         refuse_unseen_grad_hooks(opt.experts.params, opt.expert_name, path)
+    opt.checked_in_backward = (task, path)

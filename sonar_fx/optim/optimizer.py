@@ -135,6 +135,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
+        self.checked_in_backward: tuple[int, str] | None = None  # `group_checks.refuse_before_update`
         # id(group) -> (an expert param group, its settings at this step's last update from it)
         self._expert_hyperparameters: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
