@@ -61,6 +61,14 @@ class Twin:
     def clip_(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.all if self.clip == "all" else self.dense, MAX_NORM)
 
+    def scaler_step(self, scaler: torch.amp.GradScaler) -> None:
+        """The plain loop's step under a GradScaler: unscale, clip, step (or skip), update, zero_grad."""
+        scaler.unscale_(self.opt)
+        self.clip_()
+        scaler.step(self.opt)
+        scaler.update()
+        self.opt.zero_grad()
+
     def step(self) -> None:
         self.clip_()
         self.opt.step()
@@ -157,11 +165,7 @@ def test_grad_scaler_fp16_autocast_with_overflowing_steps(compiler):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = twin.run(**b).loss
         theirs.scale(loss).backward()
-        theirs.unscale_(twin.opt)
-        twin.clip_()
-        theirs.step(twin.opt)
-        theirs.update()
-        twin.opt.zero_grad()
+        twin.scaler_step(theirs)
         scales.append((ours.get_scale(), theirs.get_scale()))
     assert all(a == b for a, b in scales), scales
     assert len({s for s, _ in scales}) > 1  # some steps overflowed and some stepped
@@ -190,11 +194,7 @@ def test_grad_scaler_with_crossed_over_gradients_unscales_them_once():
             ours.step(opt)
         ours.update()
         opt.zero_grad()
-        theirs.unscale_(twin.opt)
-        twin.clip_()
-        theirs.step(twin.opt)
-        theirs.update()
-        twin.opt.zero_grad()
+        twin.scaler_step(theirs)
     assert opt.report()["deferred"]["crossed_over"], "no tensor crossed over"
     assert ours.get_scale() == theirs.get_scale()
     assert_same_weights(model, twin_model)
