@@ -157,13 +157,12 @@ class DeferredGrads:
 
     def add_whole(self, param: Tensor, name: str) -> None:
         """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
-        the next backward's contributions then find empty, into this backward's sum where it arrived;
-        said once."""
+        the next backward's contributions then find empty, into this backward's sum where it arrived
+        (the saving guard says why it came whole: `deferred_intake.keep_whole`)."""
         grad, param.grad = param.grad, None
         assert grad is not None
         self.whole.add(name)
         self._contribute(param, name, grad)
-        self.note_whole([name])
 
     def add_accumulated(self, param: Tensor, grad: Tensor) -> None:
         """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
