@@ -30,7 +30,7 @@ def defer_weight_grad(weight: Tensor, op: torch._ops.OpOverload, args: Sequence[
     """Hand `op(*args)`, the gradient of `weight` as the op lays it out, to the owner of the expert
     parameter behind `weight` if that owner defers; True when handed over (return None for `weight`).
 
-    `args`: the op's arguments in schema order; every tensor among them becomes a kept operand (a view,
+    `args`: the op's arguments in schema order; every tensor among them becomes a kept operand (detached,
     never a copy), everything else a constant of the recipe. `weight` is what the forward's op read:
     the parameter itself, or its last two dimensions transposed (then the recipe transposes dw back).
     """
@@ -62,5 +62,7 @@ def _views_to_param(weight: Tensor, param: Tensor) -> list[tuple[str, list[Any],
 
 
 def _operand(t: Tensor, operands: list[Tensor]) -> dict[str, int]:
-    operands.append(t)
+    # Detached (a view, not a copy): a saved input unpacked in backward carries its grad_fn, which
+    # would keep the whole autograd graph upstream of it alive until step().
+    operands.append(t.detach())
     return {"operand": len(operands) - 1}
