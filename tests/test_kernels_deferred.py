@@ -11,18 +11,22 @@ shows the saving: the suite's saving guard would refuse a gradient kept whole or
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from test_kernels import INTERPRETED, activate
 from test_kernels_gpu import needs_sonicmoe, needs_triton, on_device
+from test_kernels_real_packages import upstream  # noqa: F401 (a fixture)
 
 import sonar_fx
 from sonar_fx.experts.kernels import get_backend, use_kernel_backend
 from sonar_fx.experts.kernels.deferral import _views_to_param
+from sonar_fx.experts.kernels.scattermoe import implementation
 from sonar_fx.models import build_model
 from sonar_fx.passes.recipe import Recipe
 
-from helpers import assert_same_weights, batches, weights_differ
+from helpers import assert_same_weights, batches, train_with_side_backwards, weights_differ
 from test_deferred import MAX_NORM, Twin, cfg_for
 
 ACCUM = 4
@@ -111,6 +115,36 @@ CPU_CASES = [
 def test_deferred_backend_is_plain_torch_and_keeps_operands_only(backend, compiler, steps, monkeypatch):
     activate(backend, monkeypatch)
     deferred_matches_plain_torch(backend, compiler, torch.device("cpu"), DTYPES[backend], steps)
+
+
+@INTERPRETED
+@pytest.mark.usefixtures("upstream")
+def test_deferred_upstream_scattermoe_is_plain_torch():
+    """With the scattermoe package installed its kernels run inside the same op, so the recipe re-runs
+    upstream's groupXtY at step() (the stand-in package: plain torch kernels, upstream's signatures)."""
+    deferred_matches_plain_torch("scattermoe", "eager", torch.device("cpu"), torch.float32, steps=2)
+    assert implementation() == "upstream" and "groupXtY" in sys.modules["scattermoe.kernels.ops"].CALLS
+
+
+def test_side_backwards_keep_only_what_plain_torch_accumulates(monkeypatch):
+    """The eager hand-over asks autograd's engine, as the grouped-GEMM capture does, whether the running
+    backward accumulates into the weight: `torch.autograd.grad` of the embedding and `backward(inputs=)`
+    without an expert keep nothing for it (plain torch leaves its .grad alone)."""
+    activate("sonicmoe", monkeypatch)
+    model, twin_model = (kernel_model("sonicmoe", torch.bfloat16, torch.device("cpu")) for _ in range(2))
+    sonar_fx.compile(model, cfg_for("all"), compiler="eager", schedule="deferred")
+    opt = model.sonar
+    twin = Twin(twin_model, {opt.expert_name(p) for p in opt.expert_group["params"]}, "all", "eager")
+    data = batches(3, batch=1, seq=8)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    train_with_side_backwards(model, data, step)
+    train_with_side_backwards(twin_model, data, twin.step)
+    assert_same_weights(model, twin_model)
+    assert opt.report()["deferred"]["kept_whole"] == []
 
 
 def test_a_weight_read_through_another_view_is_left_to_autograd():
