@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 import sonar_fx
 import sonar_fx.distributed as sd
 from sonar_fx.compiled import repeated_blocks
+from sonar_fx.distributed.deferred_sharded import sharded_experts
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
@@ -52,12 +53,31 @@ def data_of(rank: int, accum: int) -> list[list[dict[str, torch.Tensor]]]:
     return [flat[s * accum : (s + 1) * accum] for s in range(STEPS)]
 
 
-def accumulate(model: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str) -> None:
+def accumulate(
+    model: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str, seen: dict | None = None
+) -> None:
     """The user's loop over one step's micro-batches: gradient sync on the last only ("last"), on
-    every one ("every"), or on none ("never")."""
+    every one ("every"), or on none ("never"). `seen["unsharded_expert_grad_bytes"]`: the most bytes
+    of unsharded expert gradients FSDP2 held after a backward."""
     for i, b in enumerate(micro_batches):
         model.set_requires_gradient_sync(sync == "every" or (sync == "last" and i == len(micro_batches) - 1))
         model(**b).loss.backward()
+        if seen is not None:
+            held = unsharded_expert_grad_bytes(model)
+            seen["unsharded_expert_grad_bytes"] = max(seen.get("unsharded_expert_grad_bytes", 0), held)
+
+
+def unsharded_expert_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the unsharded expert gradients FSDP2 holds now (accumulating unsynced micro-batches)."""
+    experts = sharded_experts(model, ExpertSet.discover(model).params)
+    grads = [
+        g
+        for e in experts.values()
+        for g in (getattr(e.fsdp_param, "_unsharded_param", None), e.fsdp_param.unsharded_accumulated_grad)
+        if g is not None
+    ]
+    grads = [g.grad if isinstance(g, nn.Parameter) else g for g in grads]
+    return sum(g.numel() * g.element_size() for g in grads if g is not None)
 
 
 def differ_full(a: nn.Module, b: nn.Module) -> list[str]:
@@ -99,7 +119,7 @@ def train_sonar(model: Any, data: list[list[dict]], clip: str, seen: dict | None
     """The loop; `seen` gets what the last step held before `step()` (the memory claim)."""
     opt, norms = model.sonar, []
     for micro_batches in data:
-        accumulate(model, micro_batches, "last")
+        accumulate(model, micro_batches, "last", seen)
         if seen is not None:
             experts = opt.expert_group["params"]
             seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
@@ -143,7 +163,7 @@ def titan_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], mesh: An
 
 def train_plain(
     engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], mesh: tuple[int, int],
-    sync: str = "last",
+    sync: str = "last", seen: dict | None = None,
 ) -> tuple[nn.Module, list[float]]:  # fmt: skip
     """Plain FSDP2 (x EP), fused AdamW over [dense, experts] (one per mesh on FSDP2 x EP), the clip
     over `clip`."""
@@ -158,7 +178,7 @@ def train_plain(
         optimizers = [torch.optim.AdamW(dense, **hyper), torch.optim.AdamW(experts, **hyper)]
     norms = []
     for micro_batches in data:
-        accumulate(model, micro_batches, sync)
+        accumulate(model, micro_batches, sync, seen)
         if engine == "fsdp2_ep" and clip == "all":
             norms.append(float(titan_clip_(dense, experts, mesh_of(mesh))))
         else:
@@ -183,7 +203,8 @@ def exact(
     seen: dict[str, Any] = {}
     norms = train_sonar(model, data, clip, seen)
     report = model.sonar.report()
-    twin, twin_norms = train_plain(engine, torch_dtype, clip, compiler, data, mesh)
+    twin_seen: dict[str, Any] = {}
+    twin, twin_norms = train_plain(engine, torch_dtype, clip, compiler, data, mesh, seen=twin_seen)
     return {
         "differ": differ_full(model, twin),
         "digest": digest_full(model),
@@ -197,6 +218,7 @@ def exact(
         "crossed_over": report["deferred"]["crossed_over"],
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
         "fallbacks": report["fallbacks"],
+        "twin_unsharded_expert_grad_bytes": twin_seen["unsharded_expert_grad_bytes"],
         **seen,
     }, model
 
