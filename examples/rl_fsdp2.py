@@ -19,17 +19,16 @@ Sonar runs the same lines with `schedule="deferred"` and `expert_clip="global"`:
 operands of each expert weight gradient, and `step()` computes each expert gradient, reduces it as the
 engine would, clips it by the norm over every parameter, updates and frees it, one tensor at a time.
 The weights are bitwise those of the plain loop, while no expert gradient piles up across micro-batches.
-Everything is local: a tiny transformers MoE built from its config, prompts drawn from a seeded
-generator. Needs torch.distributed (gloo on CPU; NCCL with one GPU per rank).
+Everything is local and runs on CPU over gloo: a tiny transformers MoE built from its config
+(`from_config`), prompts drawn from a seeded generator, completions sampled from the policy.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -291,13 +290,12 @@ def optimizer_step(opt: Any, model: nn.Module, cfg: RLConfig) -> tuple[float, bo
 def train_step(
     run: nn.Module, model: nn.Module, opt: Any, data: Rollout, cfg: RLConfig, step: int, result: RunResult
 ) -> dict[str, float]:
-    """One optimizer step over `cfg.micro_batches` micro-batches of `data`."""
+    """One optimizer step over `cfg.micro_batches` micro-batches of `data`; `result` gets its memory."""
     experts = ExpertSet.discover(model).params
     n_tokens = int(data.mask.sum())
     loss_sum, clipped_tokens = 0.0, 0.0
     for i, batch in enumerate(micro_batches(data, cfg.micro_batches)):
-        last = i == cfg.micro_batches - 1
-        with gradient_sync(run, cfg, last):
+        with gradient_sync(run, cfg, last=i == cfg.micro_batches - 1):
             loss, clipped = grpo_loss(token_logprobs(run, batch["sequences"]), batch, cfg, n_tokens)
             if step == cfg.inf_at_step and i == 0 and dist.get_rank() == 0:
                 loss = loss * float("inf")
@@ -308,7 +306,7 @@ def train_step(
     if not cfg.plain:
         result.kept_operand_peak = max(result.kept_operand_peak, opt.deferred.live_bytes)
     norm, skipped = optimizer_step(opt, model, cfg)
-    if not cfg.plain:
+    if not cfg.plain:  # Sonar's meter saw each expert gradient computed at step()
         measured = opt.report()["expert_grad_bytes"]["measured_peak"] or 0
         result.expert_grad_peak = max(result.expert_grad_peak, measured)
     return {"loss": loss_sum, "norm": norm, "skipped": float(skipped), "clip_frac": clipped_tokens / n_tokens}
@@ -366,34 +364,36 @@ def full_weights(model: nn.Module) -> dict[str, Tensor]:
 
 
 def summary(results: dict[str, RunResult], bitwise: bool | None) -> str:
+    """The runs side by side; with both, what Sonar saved (gradients, and net of its kept operands)."""
+
     def kib(n: int) -> str:
         return f"{n / 1024:.1f} KiB"
 
-    lines = [f"{'run':<14}{'final loss':>12}{'last norm':>11}{'skipped':>9}{'expert grads (peak)':>21}"]
+    widths = [12, 12, 11, 9, 21, 22]
+    header = ["run", "final loss", "last norm", "skipped", "expert grads (peak)", "kept operands (peak)"]
+    rows = [header]
     for name, r in results.items():
-        lines.append(
-            f"{name:<14}{r.losses[-1]:>+12.5f}{r.norms[-1]:>11.4f}{len(r.skipped):>9}{kib(r.expert_grad_peak):>21}"
+        rows.append(
+            [name, f"{r.losses[-1]:+.5f}", f"{r.norms[-1]:.4f}", str(len(r.skipped)), kib(r.expert_grad_peak)]
         )
-    any_run = next(iter(results.values()))
+        rows[-1].append(kib(r.kept_operand_peak) if name.startswith("sonar") else "-")
+    lines = [
+        row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        for row in rows
+    ]
+    first = next(iter(results.values()))
     lines.append(
-        f"expert tensors: {kib(any_run.expert_bytes)} in all, the biggest {kib(any_run.biggest_expert)}; "
-        "the plain engine holds every expert gradient across the micro-batches"
+        f"expert tensors (whole): {kib(first.expert_bytes)}, the biggest {kib(first.biggest_expert)}"
     )
-    sonar = [r for name, r in results.items() if name.startswith("sonar")]
-    if sonar:
-        lines.append(f"Sonar's kept operands (peak): {kib(sonar[0].kept_operand_peak)}")
     if len(results) == 2:
-        plain, ours = results[f"plain {sonar_arm_engine(results)}"], sonar[0]
+        ours, plain = results.values()
+        saved = plain.expert_grad_peak - ours.expert_grad_peak
         lines.append(
-            f"saved: {kib(plain.expert_grad_peak - ours.expert_grad_peak)} of expert gradients per rank"
+            f"saved per rank: {kib(saved)} of expert gradients, {kib(saved - ours.kept_operand_peak)} net"
         )
     if bitwise is not None:
-        lines.append(f"weights bitwise equal on this rank: {'yes' if bitwise else 'NO'}")
+        lines.append(f"weights bitwise equal to the plain run on every rank: {'yes' if bitwise else 'NO'}")
     return "\n".join(lines)
-
-
-def sonar_arm_engine(results: dict[str, RunResult]) -> str:
-    return next(iter(results)).split()[1]
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[RLConfig, bool]:
@@ -438,14 +438,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg, compare = parse_args(argv)
     dist.init_process_group("gloo")
     try:
-        arms = [RLConfig(**{**asdict(cfg), "plain": False}), RLConfig(**{**asdict(cfg), "plain": True})]
+        arms = [replace(cfg, plain=False), replace(cfg, plain=True)] if compare else [cfg]
         results, weights = {}, []
-        for arm_cfg in arms if compare else [cfg]:
+        for arm_cfg in arms:
             model, results[arm(arm_cfg)] = train(arm_cfg)
             weights.append(full_weights(model))
         bitwise = None
-        if compare:
-            bitwise = all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+        if compare:  # every rank compares its copy of the full tensors; all must agree
+            same = all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+            flag = torch.tensor([int(same)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            bitwise = bool(flag)
         if dist.get_rank() == 0:
             print(summary(results, bitwise), flush=True)
     finally:
@@ -453,5 +456,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
