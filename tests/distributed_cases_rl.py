@@ -28,8 +28,9 @@ import sonar_fx
 from examples import rl_fsdp2 as rl
 from sonar_fx.models import build_model
 
-CFG = rl.RLConfig(steps=3, max_grad_norm=0.05)
-"""The example's defaults: 3 steps, 4 micro-batches, a clip far below every step's norm (checked)."""
+CFG = rl.RLConfig(steps=3, layers=3, completion_len=6, max_grad_norm=0.05)
+"""The example's defaults (3 steps, 4 micro-batches, 32 experts, a clip far below every step's norm:
+checked) on 3 layers and 6-token completions, to keep the test short."""
 INF_CFG = replace(CFG, steps=2, micro_batches=2, inf_at_step=1)
 """Rank 0's loss is infinite in step 1: every rank skips that step."""
 ENGINES = ("ddp", "fsdp2")

@@ -13,20 +13,9 @@ import math
 import pytest
 from distributed_cases_rl import CFG, ENGINES
 
-import sonar_fx
-
 import distributed_worker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-OPT_CFG = sonar_fx.AdamWConfig(max_grad_norm=CFG.max_grad_norm, expert_clip="global")
-
-
-def engine_param(parallel: str) -> object:
-    """FSDP2 runs the deferred schedule only where the one rule lets it (`distributed_gap`): until then
-    its case is refused, and the test is a strict xfail that fails the day the refusal is lifted."""
-    gap = sonar_fx.api.distributed_gap(OPT_CFG, parallel, "deferred")
-    marks = pytest.mark.xfail(gap is not None, reason=gap[1] if gap else "-", strict=True)
-    return pytest.param(parallel, marks=marks, id=parallel)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +25,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return distributed_worker.results(str(out))
 
 
-@pytest.mark.parametrize("parallel", [engine_param(p) for p in ENGINES])
+@pytest.mark.parametrize("parallel", ENGINES)
 def test_grpo_loop_on_sonar_deferred_is_bitwise_the_plain_engine(ranks, parallel):
     runs = [r[parallel] for r in ranks]
     for run in runs:
@@ -50,7 +39,7 @@ def test_grpo_loop_on_sonar_deferred_is_bitwise_the_plain_engine(ranks, parallel
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
 
 
-@pytest.mark.parametrize("parallel", [engine_param(p) for p in ENGINES])
+@pytest.mark.parametrize("parallel", ENGINES)
 def test_grpo_loop_skips_a_step_with_a_non_finite_norm_on_every_rank(ranks, parallel):
     """Rank 0's loss is infinite in step 1: the norm is not finite on every rank (the engine's
     reduction spreads it), every rank skips the step, and the weights stay the twin's."""
@@ -63,7 +52,7 @@ def test_grpo_loop_skips_a_step_with_a_non_finite_norm_on_every_rank(ranks, para
         assert run["inf_differ"] == [], run["inf_differ"][:3]
 
 
-@pytest.mark.parametrize("parallel", [engine_param(p) for p in ENGINES])
+@pytest.mark.parametrize("parallel", ENGINES)
 def test_grpo_loop_holds_at_most_two_expert_gradients_where_the_plain_engine_holds_all(ranks, parallel):
     """The plain engine accumulates every expert gradient, whole, across the unsynced micro-batches
     (DDP's `.grad`, FSDP2's unsharded gradients); Sonar computes them at step(), at most two alive at
