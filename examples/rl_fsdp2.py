@@ -29,7 +29,7 @@ import argparse
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -141,13 +141,13 @@ def build_run(cfg: RLConfig) -> tuple[nn.Module, nn.Module, Any]:
     return run, model, run.sonar
 
 
-def plain_run(cfg: RLConfig, model: nn.Module) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+def plain_run(cfg: RLConfig, model: nn.Module) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
     """The plain engine over every parameter (FSDP2 laid out as Sonar lays it out) and fused AdamW."""
-    run: nn.Module
+    run: Any
     if cfg.parallel == "fsdp2":
         run = sd.fully_shard_experts(model)
         if cfg.compiler != "eager":
-            for block in model.model.layers:
+            for block in cast(Any, model).model.layers:
                 block.compile(backend=cfg.compiler)
     else:
         wrapped = DistributedDataParallel(model)
@@ -248,11 +248,11 @@ def micro_batches(data: Rollout, count: int) -> Iterator[dict[str, Tensor]]:
         yield {name: parts[i] for name, parts in chunks.items()}
 
 
-def gradient_sync(run: nn.Module, cfg: RLConfig, last: bool) -> contextlib.AbstractContextManager[Any]:
+def gradient_sync(run: Any, cfg: RLConfig, last: bool) -> contextlib.AbstractContextManager[Any]:
     """Sync gradients only at the last micro-batch: DDP's `no_sync()`, FSDP2's
     `set_requires_gradient_sync(False)` (then True for the last), the engines' accumulation recipe."""
     if cfg.parallel == "fsdp2":
-        run.set_requires_gradient_sync(last)  # type: ignore[operator]
+        run.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     module = getattr(run, "_orig_mod", run)  # a torch.compile'd DDP wrapper
     return contextlib.nullcontext() if last else module.no_sync()
@@ -261,7 +261,7 @@ def gradient_sync(run: nn.Module, cfg: RLConfig, last: bool) -> contextlib.Abstr
 # ------------------------------------------------------------------------------------ the loop
 
 
-def expert_grad_bytes_alive(model: nn.Module, experts: list[nn.Parameter], cfg: RLConfig) -> int:
+def expert_grad_bytes_alive(model: nn.Module, experts: list[Tensor], cfg: RLConfig) -> int:
     """Bytes of expert gradients alive now on this rank: their `.grad` (an FSDP2 shard, or DDP's whole
     tensor) and, on FSDP2, the unsharded gradients it accumulates across unsynced micro-batches."""
     grads = [p.grad for p in experts if p.grad is not None]
@@ -288,10 +288,16 @@ def optimizer_step(opt: Any, model: nn.Module, cfg: RLConfig) -> tuple[float, bo
 
 
 def train_step(
-    run: nn.Module, model: nn.Module, opt: Any, data: Rollout, cfg: RLConfig, step: int, result: RunResult
+    run: nn.Module,
+    model: nn.Module,
+    opt: Any,
+    data: Rollout,
+    cfg: RLConfig,
+    step: int,
+    result: RunResult,
+    experts: list[Tensor],
 ) -> dict[str, float]:
     """One optimizer step over `cfg.micro_batches` micro-batches of `data`; `result` gets its memory."""
-    experts = ExpertSet.discover(model).params
     n_tokens = int(data.mask.sum())
     loss_sum, clipped_tokens = 0.0, 0.0
     for i, batch in enumerate(micro_batches(data, cfg.micro_batches)):
@@ -322,7 +328,7 @@ def train(cfg: RLConfig, *, log: bool = True) -> tuple[nn.Module, RunResult]:
     """Run `cfg.steps` optimizer steps on this rank's process group; (the trained model, what it did)."""
     run, model, opt = build_run(cfg)
     reference = build_reference(cfg)
-    experts = ExpertSet.discover(model).params
+    experts = list[Tensor](ExpertSet.discover(model).params)
     sizes = [p.numel() * p.element_size() for p in experts]  # a DTensor's numel: the whole tensor's
     result = RunResult(expert_bytes=sum(sizes), biggest_expert=max(sizes))
     data: Rollout | None = None
@@ -330,7 +336,7 @@ def train(cfg: RLConfig, *, log: bool = True) -> tuple[nn.Module, RunResult]:
         if step % cfg.steps_per_rollout == 0:
             data = rollout(run, reference, cfg, step)
         assert data is not None
-        stats = train_step(run, model, opt, data, cfg, step, result)
+        stats = train_step(run, model, opt, data, cfg, step, result, experts)
         loss, reward = mean_over_ranks(stats["loss"]), mean_over_ranks(float(data.rewards.mean()))
         result.losses.append(loss)
         result.rewards.append(reward)
