@@ -305,6 +305,14 @@ class DeferredGrads:
             groups = [[grad], *groups]
         return _accumulate(groups, param, own=consume)
 
+    def discard(self, param: Tensor) -> None:
+        """Drop `param`'s kept contributions uncomputed: the keep budget holds its gradient
+        (`keep_budget.KeptGradients`)."""
+        pending = self.kept.pop(id(param), None)
+        if pending is not None:
+            self.live_bytes -= pending.nbytes()
+            self._uncount(pending)
+
     def clear(self) -> None:
         """Drop every kept contribution (`zero_grad`)."""
         for pending in self.kept.values():
