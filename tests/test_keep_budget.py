@@ -9,17 +9,23 @@ counted (recipe runs), the meter counts the kept gradients, and what cannot be h
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 
 import sonar_fx
+from sonar_fx.cli import main
 from sonar_fx.config import ConfigFieldError
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.models import build_model
 from sonar_fx.optim import deferred as deferred_module
 from sonar_fx.optim import keep_budget
+from sonar_fx.planner.keep import choose_keep_budget
+from sonar_fx.planner.models import model_source
+from sonar_fx.planner.run import MethodRun, StepMemory
 
 from helpers import assert_same_weights, batches, expert_params
 from test_deferred import MAX_NORM, Twin, cfg_for
@@ -228,3 +234,62 @@ def test_auto_on_cuda_keeps_within_the_free_memory_and_is_exact():
     d = opt.report()["deferred"]
     assert d["keep_budget"] == "auto" and d["keep_budget_bytes"] > 0 and d["recomputed_share"] == 0.0, d
     assert_same_weights(model, twin_model)
+
+
+# ------------------------------------------------------------------------------------ the planner
+
+
+def test_the_planners_search_takes_the_largest_keep_budget_whose_step_fits():
+    """Budgets tried: the bytes of the first n expert tensors in update order; all first, then bisection;
+    a step that does not fit even with nothing kept gives 0."""
+    order = [("a", 4), ("b", 2), ("c", 4), ("d", 2)]  # candidates 0, 4, 6, 10, 12
+    tried: list[int] = []
+
+    def step_at(keep: int) -> StepMemory:
+        tried.append(keep)
+        return StepMemory(peak=100 + keep, start=0, by_category={})
+
+    assert choose_keep_budget(step_at, order, 112)[::2] == (12, 1) and tried == [12]
+    tried.clear()
+    chosen, step, probes = choose_keep_budget(step_at, order, 109)
+    assert (chosen, step.peak, probes) == (6, 106, len(tried)) and 10 in tried  # 6 fits, 10 does not
+    tried.clear()
+    assert choose_keep_budget(step_at, order, 99)[0] == 0 and tried == [12, 0]
+
+
+@pytest.mark.slow  # eight planned steps: 36 s on the shared 2-core machine
+def test_the_plan_keeps_what_fits_on_the_fake_model():
+    """The planned deferred step (clip over all) of a model whose expert gradients dominate, at a memory
+    budget between its peak keeping nothing and keeping everything: the chosen keep budget's planned
+    step fits, the next candidate's does not, and the step's own record says what it kept."""
+    cfg = transformers.OlmoeConfig(
+        hidden_size=32, intermediate_size=64, num_experts=64, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=259, eos_token_id=0,
+    )  # fmt: skip
+    run = MethodRun(
+        model_source(cfg), "sonar_deferred_global_clip", sonar_fx.AdamWConfig(), dtype=torch.float32,
+        gradient_checkpointing=False, seq=8,
+    )  # fmt: skip
+    order = run.expert_order()
+    sizes = list(itertools.accumulate(b for _, b in order))
+    nothing, one_layer, everything = (
+        run.tracked_step(2, 8, device="cpu", keep_budget=k) for k in (0, sizes[1], sizes[-1])
+    )
+    assert nothing.keep is not None and nothing.keep.recomputed_share == 1.0
+    assert nothing.peak < one_layer.peak < everything.peak  # the norm pass's kept gradients set the peak
+    budget = one_layer.peak
+    chosen, step, _ = choose_keep_budget(
+        lambda k: run.tracked_step(2, 8, device="cpu", keep_budget=k), order, budget
+    )
+    n = len(step.keep.kept)
+    assert 2 <= n < len(order) and chosen == sizes[n - 1] and step.keep.kept_bytes == chosen
+    assert step.peak <= budget < run.tracked_step(2, 8, device="cpu", keep_budget=sizes[n]).peak
+    assert 0 < step.keep.recomputed_share < 1
+
+
+def test_plan_budget_auto_without_cuda_is_refused_naming_the_alternatives(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: 'auto' reads it")
+    assert main(["plan", "--model", "tiny-olmoe", "--budget", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--budget 46GiB" in err and "--gpu NAME" in err
