@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
+from test_cli_grad_accum import finetune, metrics, model_of
 
 import sonar_fx
 from sonar_fx.cli import main
@@ -293,3 +294,39 @@ def test_plan_budget_auto_without_cuda_is_refused_naming_the_alternatives(capsys
     assert main(["plan", "--model", "tiny-olmoe", "--budget", "auto"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "--budget 46GiB" in err and "--gpu NAME" in err
+
+
+# ------------------------------------------------------------------------------------ the trainer
+
+
+@pytest.mark.usefixtures("deferred_saving_lost")
+def test_finetune_keep_budget_writes_its_figures_to_metrics_and_trains_as_standard(tmp_path):
+    """`sonar-fx finetune --clip-scope all --grad-accum 2 --keep-budget N`: each metrics.jsonl line has
+    the budget, the bytes kept and the share recomputed, and the weights are standard's, bitwise."""
+    model = build_model("tiny-olmoe", num_experts=64)
+    half = sum(p.numel() * p.element_size() for p in expert_params(model)) // 2
+    # 64 experts, 1 x 256 tokens per micro-batch: the operands stay below every gradient (no crossover)
+    short = ["--grad-accum", "2", "--batch-size", "1", "--model-override", "num_experts=64"]
+    assert finetune(tmp_path / "kept", *short, "--clip-scope", "all", "--keep-budget", str(half)) == 0
+    assert finetune(tmp_path / "base", *short, "--method", "standard") == 0
+    kept, base = model_of(tmp_path / "kept"), model_of(tmp_path / "base")
+    assert [k for k in base if not torch.equal(kept[k], base[k])] == []
+    lines = metrics(tmp_path / "kept")
+    assert len(lines) == 3 and all(line["keep_budget_bytes"] == half for line in lines)
+    assert all((line["kept_grad_bytes"], line["recomputed_share"]) == (half, 0.5) for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--keep-budget", "1MB"], "the deferred schedule's"),
+        (["--clip-scope", "all", "--keep-budget", "auto", "--device", "cpu"], "'auto' reads the CUDA"),
+    ],
+)
+def test_finetune_refuses_a_keep_budget_it_cannot_honour(tmp_path, capsys, flags, says):
+    assert finetune(tmp_path, *flags) == 2
+    err = capsys.readouterr().err
+    assert "--keep-budget" in err and says in err
+    with pytest.raises(SystemExit):
+        finetune(tmp_path, "--keep-budget", "lots")
+    assert "expected a size" in capsys.readouterr().err
