@@ -18,6 +18,7 @@ import transformers
 from test_cli_grad_accum import finetune, metrics, model_of
 
 import sonar_fx
+from benchmarks.workload import SHAPES
 from sonar_fx.cli import main
 from sonar_fx.config import ConfigFieldError
 from sonar_fx.errors import SonarUsageError
@@ -330,3 +331,43 @@ def test_finetune_refuses_a_keep_budget_it_cannot_honour(tmp_path, capsys, flags
     with pytest.raises(SystemExit):
         finetune(tmp_path, "--keep-budget", "lots")
     assert "expected a size" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ the benchmark
+
+
+def test_the_benchmark_arms_keep_their_share_and_its_goals_read_the_records():
+    """`benchmarks.keep_budget`: an arm's budget is its share of the model's expert-gradient bytes; the
+    goals compare "all" with standard and count the budgets whose paired ratio rose."""
+    from benchmarks.keep_budget import QUICK, KeepArm, _goals, arms_for
+
+    model = SHAPES["olmoe-micro"].build()
+    method = KeepArm(fraction="1/4").build(model, sonar_fx.AdamWConfig(expert_clip="global"))
+    total = sum(p.numel() * p.element_size() for p in expert_params(model))
+    assert method.optimizer.cfg.keep_budget == total // 4
+    arms = arms_for(QUICK)
+    assert [a.label for a in arms][:2] == ["standard · eager", "sonar_deferred · eager · keep 0"]
+    times = {
+        "standard · eager": 1.0,
+        **{
+            KeepArm(fraction=f).label: t for f, t in zip(QUICK.fractions, (1.3, 1.2, 1.25, 1.01), strict=True)
+        },
+    }
+    records = [
+        {
+            "A": a,
+            "label": label,
+            "error": None,
+            "step_s": [t, t],
+            "peak_bytes": 100 if "standard" in label else 99,
+        }
+        for a in QUICK.steps_of
+        for label, t in times.items()
+    ]
+    goals = _goals(records, QUICK)  # per A: keep-all time, keep-all peak, budgets whose ratio rose
+    assert [(g.measured, g.status) for g in goals[:3]] == [
+        ("1.01x [1.01-1.01]", "met"),
+        ("0.990", "met"),
+        ("1", "MISSED"),
+    ]
+    assert len(goals) == 3 * len(QUICK.steps_of)
