@@ -166,6 +166,25 @@ def test_grad_scaler_with_overflowing_steps_at_every_budget(budget):
     assert_same_weights(model, twin_model)
 
 
+def test_nonfinite_skip_frees_what_the_norm_pass_kept():
+    """nonfinite="skip" with the clip over all: a NaN in the last expert tensor's gradient skips the
+    step after the norm pass kept every gradient (the NaN one too: its verdict comes with the norm);
+    the skipped step frees them itself (the meter counts none alive), no weight moves, and the next
+    step trains."""
+    model, opt, _, _ = pair("eager", torch.float32, "all", nonfinite="skip")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(**batches(1, seq=SEQ)[0]).loss.backward()
+    opt.deferred.entries()[-1].operands[1].fill_(float("nan"))  # the last expert tensor's dy
+    with pytest.warns(UserWarning, match="step skipped"):
+        opt.step()
+    assert len(opt.report()["deferred"]["kept"]) == 4 and opt.meter.live == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    opt.zero_grad()
+    model(**batches(1, seq=SEQ)[0]).loss.backward()
+    opt.step()
+    assert opt.meter.live == 0 and opt.report()["deferred"]["recomputed_share"] == 0.0
+
+
 def test_the_meter_counts_the_kept_gradients():
     """The meter's peak of expert-gradient bytes alive at once: budget 0 holds one gradient being
     summed (2 x the largest); a budget adds at most what it kept; "all" holds every expert gradient

@@ -87,6 +87,7 @@ def step(opt: SonarOptimizer) -> None:
     opt.dense_step()
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
         store.clear()
+        opt.kept_grads.clear()
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
