@@ -1,8 +1,9 @@
 """The deferred schedule's `step()`: verdicts first (a GradScaler's inf check, the global norm over
 every parameter, nonfinite="skip"), then the dense step, then each expert gradient computed from its
 kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it, clipped, updated and
-freed in turn, one at a time. The arithmetic of the kept contributions is `deferred`'s; this module only
-orders the passes and counts what each holds alive (`_step_gradient`).
+freed in turn, one at a time (or, within the keep budget, taken as the first pass kept them:
+`keep_budget`). The arithmetic of the kept contributions is `deferred`'s; this module only orders the
+passes and counts what each holds alive (`_step_gradient`).
 """
 
 from __future__ import annotations
