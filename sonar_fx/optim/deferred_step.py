@@ -1,8 +1,9 @@
 """The deferred schedule's `step()`: verdicts first (a GradScaler's inf check, the global norm over
 every parameter, nonfinite="skip"), then the dense step, then each expert gradient computed from its
 kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it, clipped, updated and
-freed in turn, one at a time. The arithmetic of the kept contributions is `deferred`'s; this module only
-orders the passes and counts what each holds alive (`_step_gradient`).
+freed in turn, one at a time (or, within the keep budget, taken as the first pass kept them:
+`keep_budget`). The arithmetic of the kept contributions is `deferred`'s; this module only orders the
+passes and counts what each holds alive (`_step_gradient`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sonar_fx.optim import deferred_loop, global_clip
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
 from sonar_fx.optim.reduction import StepReduce, step_reduction
@@ -29,6 +31,7 @@ class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protoco
     cfg: OptimizerConfig
     clipper: ExpertClipper
     deferred: DeferredGrads
+    kept_grads: KeptGradients
     loop: deferred_loop.DeferredLoop
     param_groups: list[dict[str, Any]]
     meter: ExpertGradMeter
@@ -70,6 +73,7 @@ def step(opt: SonarOptimizer) -> None:
         found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
         if scaler is not None and found_inf is not None and found_inf.item():
             scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
+            opt.kept_grads.clear()
             opt.clipper.abandon()
             return
         if clip_all and global_clip._global_norm(opt) is None:
@@ -84,6 +88,7 @@ def step(opt: SonarOptimizer) -> None:
     opt.dense_step()
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
         store.clear()
+        opt.kept_grads.clear()
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -93,8 +98,10 @@ def step(opt: SonarOptimizer) -> None:
     for p in experts:
         name = opt.expert_name(p)
         deferred = not store.arrived_whole(p)
-        grad = _step_gradient(opt, p, consume=True, key=p)
-        grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
+        grad = opt.kept_grads.take(p, store)  # the norm pass's, reduced and unscaled: not computed again
+        if grad is None:
+            grad = _step_gradient(opt, p, consume=True, key=p)
+            grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
         try:
             if scaler is not None and id(p) not in unscaled:
                 scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
@@ -130,11 +137,14 @@ def _first_pass(
     reduce: StepReduce,
 ) -> Tensor | None:
     """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
-    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
+    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it,
+    or keep it for the update pass within the keep budget (`keep_budget`; its id joins `unscaled`).
     Returns the experts' inf verdict (scaler only)."""
     found_inf = None
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
+    kept = opt.kept_grads
+    kept.begin(experts, opt.deferred)
     for p in experts:
         key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
         unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
@@ -146,8 +156,12 @@ def _first_pass(
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(opt.expert_name(p), grad)
+        if kept.keep(p, opt.expert_name(p), grad, key, opt.deferred, drop=scaler is None):
+            unscaled.add(id(p))  # (kept unscaled: the update pass must not unscale it again)
+        else:
+            opt.meter.freed(key)
         del grad
-        opt.meter.freed(key)
+    kept.finish()
     return found_inf
 
 

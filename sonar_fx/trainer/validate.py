@@ -114,6 +114,7 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
         weight_decay=resolved_weight_decay(cfg),
         max_grad_norm=cfg.max_grad_norm,
         expert_clip=cfg.expert_clip,
+        keep_budget=cfg.keep_budget,
     )
     momentum, nesterov = resolved_momentum(cfg)
     by_optimizer: dict[str, dict[str, Any]] = {
@@ -160,6 +161,22 @@ def resolved_weight_decay(cfg: TrainConfig) -> float:
     if cfg.weight_decay is not None:
         return cfg.weight_decay
     return 0.1 if cfg.optimizer == "muon" else 0.0
+
+
+def _check_keep_budget(cfg: TrainConfig, device: str) -> None:
+    """--keep-budget only where the deferred schedule's norm pass can honour it (one process; "auto" on
+    CUDA), checked once the method is resolved."""
+    if cfg.keep_budget == 0:
+        return
+    why = None
+    if Method.named(cfg.method).schedule != "deferred":
+        why = f"it is the deferred schedule's (--clip-scope all, --grad-accum N), not --method {cfg.method}'s"
+    elif cfg.parallel is not None:
+        why = f"not under --parallel {cfg.parallel} (ranks cross over differently); drop it there"
+    elif cfg.keep_budget == "auto" and not device.startswith("cuda"):
+        why = "'auto' reads the CUDA caching allocator's free memory; on this device give bytes (or 0)"
+    if why is not None:
+        raise ConfigError(f"--keep-budget {cfg.keep_budget}: {why}", flag="--keep-budget")
 
 
 def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
@@ -303,6 +320,7 @@ def resolve(
         )
     cfg = resolve_schedule(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_keep_budget(cfg, device)
     steps = cfg.steps or n_train // per_step
     lr = cfg.lr if cfg.lr is not None else (2e-5 if local else 3e-3)
     opt_cfg = optimizer_config(cfg, lr)
