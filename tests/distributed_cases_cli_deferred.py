@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from distributed_cases_cli import _finetune, _folder, _same, _weights
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sonar_fx.distributed import fully_shard_experts
 from sonar_fx.engines import ENGINES
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
@@ -64,34 +67,62 @@ def cli_accumulation_is_exact(rank: int) -> dict[str, Any]:
 
 
 def train_step_syncs_the_last_micro_batch(rank: int) -> dict[str, Any]:
-    """`build_method("standard")` on DDP, two steps of 2 micro-batches, against plain DDP over every
-    parameter accumulating under `no_sync()` on the first (equal), and syncing both (must differ)."""
+    """`build_method("standard")` on DDP and on FSDP2, two steps of 2 micro-batches, against the plain
+    engine over every parameter written here, accumulating with gradient sync off on the first
+    micro-batch (equal) and on none (must differ)."""
     cfg = replace(CFG, max_grad_norm=0.05)  # below each step's norm: the clip acts on every step
     data = batches(4, seed=1 + rank)
     steps = [data[0:2], data[2:4]]
-    method = build_method("standard", build_model("tiny-olmoe", seed=0), cfg, engine=ENGINES["ddp"])
-    for micro in steps:
-        method.train_step(micro)
-    got = dict(method.model.module.named_parameters())
     seen: dict[str, Any] = {}
-    for sync in ("last", "every"):
-        model = build_model("tiny-olmoe", seed=0)
-        run = DDP(model)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            fused=True,
-        )  # fmt: skip
+    for engine in ("ddp", "fsdp2"):
+        method = build_method("standard", build_model("tiny-olmoe", seed=0), cfg, engine=ENGINES[engine])
         for micro in steps:
-            for i, b in enumerate(micro):
-                quiet = sync == "last" and i < len(micro) - 1
-                with run.no_sync() if quiet else nullcontext():
-                    (run(**b).loss / len(micro)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        seen[sync] = [n for n, p in model.named_parameters() if not torch.equal(p, got[n])]
-    seen["count"] = len(got)
+            method.train_step(micro)
+        inner = method.model.module if engine == "ddp" else method.model
+        got = {n: _full(p) for n, p in inner.named_parameters()}
+        seen[engine] = {"count": len(got)}
+        for sync in ("last", "every"):
+            model = _plain_train(engine, cfg, steps, sync)
+            seen[engine][sync] = [n for n, p in model.named_parameters() if not torch.equal(_full(p), got[n])]
     return seen
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _plain_train(engine: str, cfg: Any, steps: list[list[dict]], sync: str) -> torch.nn.Module:
+    """Plain DDP, or FSDP2 (the experts modules their own groups, as the baseline shards them), with
+    torch's clip over every parameter and fused AdamW: the user's accumulation loop."""
+    model = build_model("tiny-olmoe", seed=0)
+    if engine == "ddp":
+        run = DDP(model)
+        quiet_context: Any = run.no_sync
+    else:
+        run = fully_shard_experts(model)
+        quiet_context = lambda: _fsdp2_quiet(run)  # noqa: E731
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        fused=True,
+    )  # fmt: skip
+    for micro in steps:
+        for i, b in enumerate(micro):
+            quiet = sync == "last" and i < len(micro) - 1
+            with quiet_context() if quiet else nullcontext():
+                (run(**b).loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+@contextmanager
+def _fsdp2_quiet(root: Any) -> Iterator[None]:
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
 
 
 def every_case(rank: int) -> dict[str, Any]:
@@ -108,4 +139,35 @@ def every_case(rank: int) -> dict[str, Any]:
         "train_step": train_step_syncs_the_last_micro_batch(rank),
         "cli": cli_accumulation_is_exact(rank),
         "hf": sonar_trainer_equals_the_plain_trainer(rank),
+        "routes": deferred_by_other_routes(rank),
     }
+
+
+def deferred_by_other_routes(rank: int) -> dict[str, Any]:
+    """The deferred schedule reached around the engines' setup, refused before any weight moves:
+    `prepare` of a model already sharded by `fully_shard` (its message: the one rule's reason), and a
+    model prepared for one process then wrapped in DDP by hand (refused at step())."""
+    import sonar_fx
+    from sonar_fx.errors import SonarUsageError
+
+    cfg = replace(CFG, max_grad_norm=0.05, expert_clip="global")
+    seen: dict[str, Any] = {}
+    model = fully_shard(build_model("tiny-olmoe", seed=0))
+    try:
+        sonar_fx.prepare(model, cfg, schedule="deferred")
+        seen["fsdp2_prepare"] = None
+    except SonarUsageError as exc:
+        seen["fsdp2_prepare"] = str(exc)
+    model = build_model("tiny-olmoe", seed=0)
+    sonar_fx.prepare(model, cfg, schedule="deferred")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = DDP(model)
+    for b in batches(2, seed=1 + rank):
+        run(**b).loss.backward()
+    try:
+        model.sonar.step()
+        seen["ddp_after_prepare"] = None
+    except SonarUsageError as exc:
+        seen["ddp_after_prepare"] = str(exc)
+    seen["moved"] = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    return seen

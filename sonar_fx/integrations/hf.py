@@ -64,7 +64,7 @@ from sonar_fx.integrations.hf_checkpoint import (
 from sonar_fx.integrations.hf_ddp import (
     attach_to_trainer_ddp,
     prepare_beside_trainer_ddp,
-    refuse_unreduced,
+    refuse_one_process_model,
     trainer_engine,
 )
 from sonar_fx.integrations.hf_deferred import DeferredStep, norm_over_every_parameter
@@ -180,7 +180,7 @@ def check_trainer_setup(
     refuse_other_optim(args)
     refuse_torch_compile(args)
     if trainer_engine(args) == "ddp":
-        refuse_unreduced(optimizer)
+        refuse_one_process_model(optimizer)
     if optimizer.schedule == "deferred":
         _check_deferred_clip(args, optimizer)
     else:

@@ -14,7 +14,7 @@ the same ranks at world size 2 (tests/test_distributed_trainer_deferred.py).
 Every other way the Trainer runs on several devices is refused before anything is prepared, naming
 the fix (`trainer_engine`): FSDP and DeepSpeed (they shard or reduce the experts themselves), one
 process driving several GPUs (`nn.DataParallel`), and a model prepared for one process that the
-Trainer would wrap in DDP (`refuse_unreduced`).
+Trainer would wrap in DDP (`refuse_one_process_model`).
 Never: build the DDP module itself (accelerate's is the plain Trainer's) or reduce a dense gradient.
 """
 
@@ -87,7 +87,7 @@ def reduced_as_ddp(optimizer: SonarOptimizer) -> bool:
     return isinstance(optimizer.distributed, MeanAllReduce)
 
 
-def refuse_unreduced(optimizer: SonarOptimizer) -> None:
+def refuse_one_process_model(optimizer: SonarOptimizer) -> None:
     """A model the user prepared without the DDP reduction, given to a Trainer that will wrap it in DDP."""
     if not reduced_as_ddp(optimizer):
         raise SonarUsageError(
