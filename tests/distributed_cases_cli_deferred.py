@@ -22,6 +22,7 @@ from distributed_cases_cli import _finetune, _folder, _same, _weights
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sonar_fx.config import MuonConfig
 from sonar_fx.distributed import fully_shard_experts
 from sonar_fx.engines import ENGINES
 from sonar_fx.methods import build_method
@@ -32,7 +33,7 @@ from helpers import CFG, batches
 
 ACCUM = ["--grad-accum", "2", "--clip-scope", "all", "--max-grad-norm", "0.05", "--steps", "3",
          "--held-out", "0", "--save-every", "0", "--model", "tiny-olmoe"]  # fmt: skip
-ENGINES_RUN = ("ddp", "ep")
+ENGINES_RUN = ("ddp", "ep", "fsdp2")
 
 
 def _metrics(out: Path, key: str) -> list[Any]:
@@ -145,19 +146,21 @@ def every_case(rank: int) -> dict[str, Any]:
 
 def deferred_by_other_routes(rank: int) -> dict[str, Any]:
     """The deferred schedule reached around the engines' setup, refused before any weight moves:
-    `prepare` of a model already sharded by `fully_shard` (its message: the one rule's reason), and a
-    model prepared for one process then wrapped in DDP by hand (refused at step())."""
+    `prepare` of a model already sharded by `fully_shard` (naming `sonar_fx.distributed.fsdp2`, or the
+    one rule's reason where it refuses the config there: Muon), and a model prepared for one process
+    then wrapped in DDP by hand (refused at step())."""
     import sonar_fx
     from sonar_fx.errors import SonarUsageError
 
     cfg = replace(CFG, max_grad_norm=0.05, expert_clip="global")
     seen: dict[str, Any] = {}
-    model = fully_shard(build_model("tiny-olmoe", seed=0))
-    try:
-        sonar_fx.prepare(model, cfg, schedule="deferred")
-        seen["fsdp2_prepare"] = None
-    except SonarUsageError as exc:
-        seen["fsdp2_prepare"] = str(exc)
+    for name, config in (("fsdp2_prepare", cfg), ("fsdp2_prepare_muon", MuonConfig(lr=1e-2))):
+        model = fully_shard(build_model("tiny-olmoe", seed=0))
+        try:
+            sonar_fx.prepare(model, config, schedule="deferred")
+            seen[name] = None
+        except SonarUsageError as exc:
+            seen[name] = str(exc)
     model = build_model("tiny-olmoe", seed=0)
     sonar_fx.prepare(model, cfg, schedule="deferred")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

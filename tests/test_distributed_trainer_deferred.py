@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from transformers.training_args import ParallelMode
 
+from sonar_fx import api
 from sonar_fx.cli import main
 from sonar_fx.errors import SonarUsageError
 
@@ -42,7 +43,7 @@ def test_train_step_syncs_only_the_last_micro_batch(seen, engine):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["ddp", "ep"])
+@pytest.mark.parametrize("engine", ["ddp", "ep", "fsdp2"])
 def test_cli_grad_accum_and_clip_all_train_deferred_bitwise_the_standard_method(seen, engine):
     """--grad-accum 2 --clip-scope all trains sonar as sonar_deferred on the engine, with the clip active
     on every step, and ends bitwise equal to --method standard with the same flags, on every rank."""
@@ -100,9 +101,13 @@ def as_rank_0(monkeypatch):
         (["--method", "sonar_deferred", "--lr", "1e-3"], "--method"),  # checked with the flags, earlier
     ],
 )
-def test_deferred_on_fsdp2_is_refused_by_the_one_rule_naming_the_flag(tmp_path, capsys, flags, blamed):
-    """Before any model is built or file written: exit 2, the flag that chose the deferred schedule,
-    why (distributed_gap's reason) and what to use instead."""
+def test_deferred_where_the_one_rule_refuses_it_is_refused_naming_the_flag(
+    tmp_path, capsys, monkeypatch, flags, blamed
+):
+    """The command line asks `distributed_gap` (every engine runs the deferred schedule today, so the
+    rule is narrowed here to ddp and ep): before any model is built or file written, exit 2 naming the
+    flag that chose the deferred schedule, the rule's reason and what to use instead."""
+    monkeypatch.setattr(api, "DEFERRED_ENGINES", ("ddp", "ep"))
     code = main(["finetune", "--model", "tiny-reference", "--parallel", "fsdp2", "--train-size", "8",
                  "--held-out", "0", "--out", str(tmp_path / "run"), *flags])  # fmt: skip
     err = capsys.readouterr().err
@@ -137,12 +142,15 @@ def test_the_trainers_other_engines_are_refused_naming_the_fix(fields, match):
 
 @pytest.mark.multiprocess
 def test_deferred_around_the_engines_setup_is_refused_before_any_weight_moves(seen):
-    """prepare(schedule="deferred") of a model fully_shard already wraps: the one rule's reason (not a
-    pointer to sonar_fx.distributed.fsdp2, which refuses it too); a one-process model wrapped in DDP by
-    hand: refused at step(), nothing moved, naming the engine builders."""
+    """prepare(schedule="deferred") of a model fully_shard already wraps: refused naming the FSDP2
+    builder, or, for a config the one rule refuses on FSDP2 (Muon), that rule's reason; a one-process
+    model wrapped in DDP by hand: refused at step(), nothing moved, naming the engine builders."""
     for rank in seen:
         routes = rank["routes"]
-        assert "schedule='deferred' is not supported on the fsdp2 engine yet" in routes["fsdp2_prepare"]
+        assert "sonar_fx.distributed.fsdp2(model, cfg) on the unwrapped model" in routes["fsdp2_prepare"]
+        assert (
+            "Nor does Sonar's own setup of it run this: MuonConfig with FSDP2" in routes["fsdp2_prepare_muon"]
+        )
         assert "prepared for one" in routes["ddp_after_prepare"]
-        assert "sonar_fx.distributed.ddp or expert_parallel" in routes["ddp_after_prepare"]
+        assert "sonar_fx.distributed (ddp, expert_parallel, fsdp2" in routes["ddp_after_prepare"]
         assert routes["moved"] == []

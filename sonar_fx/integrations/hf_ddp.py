@@ -47,7 +47,7 @@ def trainer_engine(args: Any) -> TrainerEngine:
             f"SonarTrainer with the Trainer's {engine}: {engine} shards or reduces the expert gradients "
             "itself, after Sonar would have used them, and no test shows Sonar exact there. Train "
             "data-parallel with the Trainer's own DDP (torchrun without fsdp / deepspeed arguments), or "
-            "use sonar_fx.distributed.fsdp2 (its in-backward schedule) in a loop of your own."
+            "use sonar_fx.distributed.fsdp2 in a loop of your own."
         )
     mode = args.parallel_mode
     if mode == ParallelMode.NOT_DISTRIBUTED:

@@ -94,8 +94,8 @@ def step_reduction(reduction: GradReduction | None) -> StepReduce:
             "for one (sonar_fx.compile / prepare), so each expert gradient computed at step() would be this "
             "rank's own and each rank's copy would move differently (a DDP wrapper added after prepare "
             "holds the experts in its buckets too). Refused at step(), before any weight moved. Build it "
-            "with sonar_fx.distributed.ddp or expert_parallel (..., schedule='deferred') on the unwrapped "
-            "model; call optimizer.zero_grad() to drop this step."
+            "with sonar_fx.distributed (ddp, expert_parallel, fsdp2 or fsdp2_ep, schedule='deferred') on the "
+            "unwrapped model; call optimizer.zero_grad() to drop this step."
         )
     return _as_computed if reduction is None else reduction.at_step()
 

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sonar_fx import api
 from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, ExpertClip, OptimizerConfig
-from sonar_fx.engines import engine_named
+from sonar_fx.engines import ENGINES, engine_named
 from sonar_fx.methods import METHODS, Method
 from sonar_fx.models import TINY_MODELS, build_model
 from sonar_fx.optim.optimizer import NONFINITE
@@ -154,11 +155,13 @@ def _deferred_refused(cfg: TrainConfig, exc: ConfigFieldError) -> ConfigError:
     """The deferred schedule refused on the --parallel engine, blamed on the flag that chose it, with the
     runs the command line offers instead."""
     flag = "--grad-accum" if cfg.grad_accum > 1 else "--clip-scope" if cfg.clip_scope == "all" else "--method"
+    running = [e for e in ENGINES if e in api.DEFERRED_ENGINES]  # read at the call: the rule's now
+    elsewhere = f"--parallel {' or '.join(running)} with the same flags; or " if running else ""
     return ConfigError(
         f"{flag}: --parallel {cfg.parallel} with --method {cfg.method} (the deferred schedule, which "
-        f"--grad-accum > 1 and --clip-scope all choose for sonar): {exc}. On the command line: --parallel "
-        f"ddp or ep with the same flags; or on {cfg.parallel}, --method sonar with --grad-accum 1 and "
-        "--clip-scope dense (in-backward updates), or --method standard with the same flags (no saving)",
+        f"--grad-accum > 1 and --clip-scope all choose for sonar): {exc}. On the command line: {elsewhere}"
+        f"on {cfg.parallel}, --method sonar with --grad-accum 1 and --clip-scope dense (in-backward "
+        "updates), or --method standard with the same flags (no saving)",
         flag=flag,
     )
 
