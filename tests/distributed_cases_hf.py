@@ -63,6 +63,17 @@ def sonar_trainer_equals_the_plain_trainer(rank: int) -> dict[str, Any]:
             "plain_norms": logged_norms(plain_trainer),
         }
     seen["clips_differ"] = _differ(plains[1.0], plains[0.5])
+    # No clip, no accumulation: the in-backward schedule, each expert averaged in its hook.
+    plain, plain_trainer = _run(Trainer, out / "plain-0", max_grad_norm=0.0, gradient_accumulation_steps=1)
+    sonar, sonar_trainer = _run(
+        SonarTrainer, out / "sonar-0", max_grad_norm=0.0, gradient_accumulation_steps=1
+    )
+    seen["in_backward"] = {
+        "schedule": sonar.sonar.schedule,
+        "differ": _differ(plain, sonar),
+        "norms": logged_norms(sonar_trainer),
+        "plain_norms": logged_norms(plain_trainer),
+    }
     seen["prepared_for_one_process"] = _prepared_for_one_process(out / "prepared")
     return seen
 

@@ -75,6 +75,16 @@ def test_sonar_trainer_under_the_trainers_ddp_is_bitwise_the_plain_trainer(seen,
 
 
 @pytest.mark.multiprocess
+def test_sonar_trainer_in_backward_under_the_trainers_ddp_is_bitwise_the_plain_trainer(seen):
+    """No clip and no accumulation (the in-backward schedule): each expert averaged in its hook as DDP
+    averages, the weights and the logged norm over every gradient equal to the plain Trainer's."""
+    for rank in seen:
+        run = rank["hf"]["in_backward"]
+        assert run["schedule"] == "in_backward" and run["differ"] == []
+        assert run["norms"] == run["plain_norms"] and len(run["norms"]) == 3
+
+
+@pytest.mark.multiprocess
 def test_sonar_trainer_refuses_a_model_prepared_for_one_process(seen):
     for rank in seen:
         message = rank["hf"]["prepared_for_one_process"]
