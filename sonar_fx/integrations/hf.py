@@ -164,7 +164,7 @@ def prepare_for_trainer(
     schedule = trainer_schedule(args)
     cfg = sonar_config(args, schedule, model=model, decay_names=decay_names)
     if trainer_engine(args) == "ddp":
-        return prepare_beside_trainer_ddp(model, cfg, compiler=compiler, schedule=schedule)
+        return prepare_beside_trainer_ddp(model, cfg, args.device, compiler=compiler, schedule=schedule)
     return sonar_compile(model, cfg, compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 

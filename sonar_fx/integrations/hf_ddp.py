@@ -11,10 +11,11 @@ its DDP module, `attach_to_trainer_ddp` hands it to Sonar (which micro-batches i
 step's loop rule, which the Trainer's accumulation meets). The result is bitwise the plain Trainer on
 the same ranks at world size 2 (tests/test_distributed_trainer_deferred.py).
 
-Every other way the Trainer runs on several devices is refused before anything is prepared, naming
-the fix (`trainer_engine`): FSDP and DeepSpeed (they shard or reduce the experts themselves), one
-process driving several GPUs (`nn.DataParallel`), and a model prepared for one process that the
-Trainer would wrap in DDP (`refuse_one_process_model`).
+Every other way the Trainer runs on several devices is refused, naming the fix: when the Trainer is
+built, FSDP and DeepSpeed (they shard or reduce the experts themselves), one process driving several
+GPUs (`nn.DataParallel`) (`trainer_engine`, before anything is prepared) and a model prepared for one
+process that the Trainer would wrap in DDP (`refuse_one_process_model`); before the first step, a
+wrapper accelerate built other than a DDP of the model (`attach_to_trainer_ddp`).
 Never: build the DDP module itself (accelerate's is the plain Trainer's) or reduce a dense gradient.
 """
 
@@ -67,15 +68,18 @@ def trainer_engine(args: Any) -> TrainerEngine:
 
 
 def prepare_beside_trainer_ddp(
-    model: nn.Module, cfg: OptimizerConfig, *, compiler: str, schedule: Schedule
+    model: nn.Module, cfg: OptimizerConfig, device: Any, *, compiler: str, schedule: Schedule
 ) -> nn.Module:
     """`model` prepared for the Trainer's DDP (`sonar_fx.distributed.ddp.beside_ddp` over the default
-    process group, which accelerate joined); `attach_to_trainer_ddp` completes it once wrapped."""
+    process group, which accelerate joined); `attach_to_trainer_ddp` completes it once wrapped. It is
+    moved to the rank's `device` first, as the Trainer would move it: the experts are broadcast from
+    rank 0 here, on the backend's device (NCCL: this rank's GPU)."""
     from sonar_fx.distributed.ddp import beside_ddp
 
     group = dist.group.WORLD
     assert group is not None  # trainer_engine said "ddp": the process group exists
     who = "SonarTrainer under torchrun"
+    model = model.to(device)
     return beside_ddp(model, cfg, group, who, compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 
