@@ -221,12 +221,13 @@ def distributed_gap(
     schedule runs on DDP, expert parallelism, FSDP2 and FSDP2 x EP (`DEFERRED_ENGINES`: each expert
     gradient computed at step() is reduced as the engine reduces it, bitwise against its accumulation
     with gradient sync at the last micro-batch only); DDP's async in-backward overlap ("ddp-async")
-    has no step-time reduction of its own."""
+    has no test of it, so it stays refused."""
     if schedule == "deferred" and engine not in DEFERRED_ENGINES:
         return "schedule", (
             f"schedule='deferred' is not supported on the {engine} engine yet: each rank keeps its own "
             "operands and nothing reduces the expert gradients computed from them at step(); use the "
-            f"default schedule (in-backward updates) there, or the {' or '.join(DEFERRED_ENGINES)} engine"
+            f"default schedule (in-backward updates) there, or the {', '.join(DEFERRED_ENGINES[:-1])} or "
+            f"{DEFERRED_ENGINES[-1]} engine"
         )
     sharded = sharded_matrices_gap(opt_cfg) if engine in DTENSOR_ENGINES else None
     if sharded is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 import sonar_fx
 import sonar_fx.distributed as sd
 from sonar_fx.compiled import repeated_blocks
+from sonar_fx.distributed.deferred_sharded import sharded_experts
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
@@ -53,12 +53,31 @@ def data_of(rank: int, accum: int) -> list[list[dict[str, torch.Tensor]]]:
     return [flat[s * accum : (s + 1) * accum] for s in range(STEPS)]
 
 
-def accumulate(model: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str) -> None:
+def accumulate(
+    model: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str, seen: dict | None = None
+) -> None:
     """The user's loop over one step's micro-batches: gradient sync on the last only ("last"), on
-    every one ("every"), or on none ("never")."""
+    every one ("every"), or on none ("never"). `seen["unsharded_expert_grad_bytes"]`: the most bytes
+    of unsharded expert gradients FSDP2 held after a backward."""
     for i, b in enumerate(micro_batches):
         model.set_requires_gradient_sync(sync == "every" or (sync == "last" and i == len(micro_batches) - 1))
         model(**b).loss.backward()
+        if seen is not None:
+            held = unsharded_expert_grad_bytes(model)
+            seen["unsharded_expert_grad_bytes"] = max(seen.get("unsharded_expert_grad_bytes", 0), held)
+
+
+def unsharded_expert_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the unsharded expert gradients FSDP2 holds now (accumulating unsynced micro-batches)."""
+    experts = sharded_experts(model, ExpertSet.discover(model).params)
+    grads = [
+        g
+        for e in experts.values()
+        for g in (getattr(e.fsdp_param, "_unsharded_param", None), e.fsdp_param.unsharded_accumulated_grad)
+        if g is not None
+    ]
+    grads = [g.grad if isinstance(g, nn.Parameter) else g for g in grads]
+    return sum(g.numel() * g.element_size() for g in grads if g is not None)
 
 
 def differ_full(a: nn.Module, b: nn.Module) -> list[str]:
@@ -100,7 +119,7 @@ def train_sonar(model: Any, data: list[list[dict]], clip: str, seen: dict | None
     """The loop; `seen` gets what the last step held before `step()` (the memory claim)."""
     opt, norms = model.sonar, []
     for micro_batches in data:
-        accumulate(model, micro_batches, "last")
+        accumulate(model, micro_batches, "last", seen)
         if seen is not None:
             experts = opt.expert_group["params"]
             seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
@@ -144,7 +163,7 @@ def titan_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], mesh: An
 
 def train_plain(
     engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], mesh: tuple[int, int],
-    sync: str = "last",
+    sync: str = "last", seen: dict | None = None,
 ) -> tuple[nn.Module, list[float]]:  # fmt: skip
     """Plain FSDP2 (x EP), fused AdamW over [dense, experts] (one per mesh on FSDP2 x EP), the clip
     over `clip`."""
@@ -159,7 +178,7 @@ def train_plain(
         optimizers = [torch.optim.AdamW(dense, **hyper), torch.optim.AdamW(experts, **hyper)]
     norms = []
     for micro_batches in data:
-        accumulate(model, micro_batches, sync)
+        accumulate(model, micro_batches, sync, seen)
         if engine == "fsdp2_ep" and clip == "all":
             norms.append(float(titan_clip_(dense, experts, mesh_of(mesh))))
         else:
@@ -184,7 +203,8 @@ def exact(
     seen: dict[str, Any] = {}
     norms = train_sonar(model, data, clip, seen)
     report = model.sonar.report()
-    twin, twin_norms = train_plain(engine, torch_dtype, clip, compiler, data, mesh)
+    twin_seen: dict[str, Any] = {}
+    twin, twin_norms = train_plain(engine, torch_dtype, clip, compiler, data, mesh, seen=twin_seen)
     return {
         "differ": differ_full(model, twin),
         "digest": digest_full(model),
@@ -198,6 +218,7 @@ def exact(
         "crossed_over": report["deferred"]["crossed_over"],
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
         "fallbacks": report["fallbacks"],
+        "twin_unsharded_expert_grad_bytes": twin_seen["unsharded_expert_grad_bytes"],
         **seen,
     }, model
 
@@ -230,18 +251,81 @@ def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     return {"message": message, "moved": moved, "then": differ_full(model, twin)}
 
 
+def inf_on_one_rank(rank: int) -> dict[str, Any]:
+    """nonfinite="skip": in step 2 only rank 1's loss is non-finite. FSDP2's reduce-scatter spreads it,
+    so every rank skips that step whole (no weight moves on any rank), as plain FSDP2 skipping a step
+    whose clip_grad_norm_ is not finite; the other steps train bitwise alike."""
+    data, poisoned = data_of(rank, 2), (1, 1)  # (step, rank)
+
+    def run(model: Any, step_fn: Any) -> list[str]:
+        moved: list[str] = []
+        for step, micro_batches in enumerate(data):
+            before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            for i, b in enumerate(micro_batches):
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                loss = model(**b).loss
+                (loss * float("inf") if (step, rank) == poisoned else loss).backward()
+            step_fn()
+            if step == poisoned[0]:
+                moved = [
+                    n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])
+                ]
+        return moved
+
+    model = sonar_on("fsdp2", torch.float32, "all", "eager", (1, 2), nonfinite="skip")
+    moved = run(model, lambda: (model.sonar.step(), model.sonar.zero_grad()))
+    twin = plain_engine("fsdp2", torch.float32, "eager", (1, 2))
+    hyper = dict(lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True)
+    twin_opt = torch.optim.AdamW(list(twin.parameters()), **hyper)
+
+    def twin_step() -> None:
+        if torch.isfinite(torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)):
+            twin_opt.step()
+        twin_opt.zero_grad()
+
+    run(twin, twin_step)
+    return {
+        "differ": differ_full(model, twin),
+        "moved_in_skipped": moved,
+        "skipped_steps": model.sonar.report()["skipped_steps"],
+    }
+
+
+def grad_scaler_refused(rank: int) -> dict[str, Any]:
+    """fp16 autocast and a GradScaler, the ordinary calls: refused at step(), nothing moved."""
+    model = sonar_on("fsdp2", torch.float32, "all", "eager", (1, 2))
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batches(1, seed=100 + rank)[0]).loss
+    scaler.scale(loss).backward()
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    message = None
+    try:
+        scaler.step(model.sonar)
+    except sonar_fx.SonarUsageError as err:
+        message = str(err)
+    now = dict(model.named_parameters())
+    return {
+        "message": message,
+        "moved": [n for n in before if not torch.equal(now[n].full_tensor(), before[n])],
+    }
+
+
 EXACT = [
     ("fsdp2", "fp32", "all", "eager", 4),
-    ("fsdp2", "bf16", "all", "aot_eager", 2),
     ("fsdp2", "bf16", "dense", "eager", 2),
     ("fsdp2_ep", "fp32", "all", "eager", 4, (1, 2)),
     ("fsdp2_ep", "bf16", "all", "aot_eager", 4, (2, 1)),
     ("fsdp2_ep", "bf16", "dense", "aot_eager", 2, (1, 2)),
 ]
-"""(engine, dtype, clip, compiler, micro-batches per step[, 2-D mesh]): each engine eager and compiled
-with the clip over all parameters, and the dense-only clip. Compiled cases run bf16 (transformers'
-compiled fp32 grouped_mm path is a known library failure). FSDP2 x EP on 2 ranks: (1, 2) exchanges
-tokens across ranks (dp of one), (2, 1) reduce-scatters the experts across ranks (ep of one)."""
+"""(engine, dtype, clip, compiler, micro-batches per step[, 2-D mesh]): each engine eager with the clip
+over all parameters, FSDP2 x EP compiled too, and the dense-only clip. Compiled cases run bf16
+(transformers' compiled fp32 grouped_mm path is a known library failure). FSDP2 x EP on 2 ranks:
+(1, 2) exchanges tokens across ranks (dp of one), (2, 1) reduce-scatters the experts across ranks
+(ep of one)."""
+COMPILED = ("fsdp2", "bf16", "all", "aot_eager", 2)
+"""FSDP2 with each block of transformers' OLMoE compiled: ~45 s per model on 2 shared cores, so its
+own spawn (marked slow)."""
 
 
 def label(
@@ -258,18 +342,24 @@ def deferred_sharded(rank: int) -> dict[str, Any]:
     os.environ[ON_SAVING_LOST_ENV] = "warn"
     out: dict[str, Any] = {}
     for case in EXACT:
-        began = time.perf_counter()
         out[label(*case)], model = exact(rank, *case)
-        out[label(*case)]["seconds"] = time.perf_counter() - began
         if case == EXACT[0]:  # negative control: the twin syncing every micro-batch
             twin, _ = train_plain(
                 "fsdp2", torch.float32, "all", "eager", data_of(rank, 4), (1, 2), sync="every"
             )
             out["control/sync_every"] = differ_full(model, twin)
+    out["inf_on_one_rank"] = inf_on_one_rank(rank)
+    out["grad_scaler_refused"] = grad_scaler_refused(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     out["world"] = dist.get_world_size()
     return out
+
+
+def deferred_sharded_compiled(rank: int) -> dict[str, Any]:
+    """FSDP2 with its blocks compiled (aot_eager), alone in its spawn (marked slow)."""
+    os.environ[ON_SAVING_LOST_ENV] = "warn"
+    return {label(*COMPILED): exact(rank, *COMPILED)[0]}
 
 
 FOUR_RANKS = ("fsdp2", "fp32", "all", "eager", 4)

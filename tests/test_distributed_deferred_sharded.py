@@ -3,13 +3,14 @@ parameter's `full_tensor()`) with the user's `set_requires_gradient_sync(False)`
 clip over every parameter (or the dense ones), the logged norm the plain clip's; or refused at step()
 before any weight moves.
 
-One spawn runs every 2-rank case (`distributed_cases_deferred_sharded`); the 4-rank case has its own.
+One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
+and the 4-rank case have their own (slow).
 """
 
 from __future__ import annotations
 
 import pytest
-from distributed_cases_deferred_sharded import EXACT, FOUR_RANKS, MAX_NORM, STEPS, label
+from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, MAX_NORM, STEPS, label
 
 import sonar_fx
 
@@ -36,6 +37,11 @@ def check_exact(run: dict, case: tuple) -> None:
     assert run["fallbacks"] == []
     # Before step() no expert `.grad` exists on the shards, and FSDP2 reduce-scattered nothing of them.
     assert run["expert_grads_alive"] == 0
+    if not (engine == "fsdp2_ep" and compiler == "eager"):
+        # The saving: plain FSDP2 holds every expert's unsharded gradient across the unsynced
+        # micro-batches (the rank's whole experts, E x out x in); Sonar holds none, its operands instead.
+        assert run["unsharded_expert_grad_bytes"] == 0
+        assert run["twin_unsharded_expert_grad_bytes"] == run["expert_grad_bytes"], run
     if engine == "fsdp2_ep" and compiler == "eager":  # Sonar's own grouped-GEMM op: kept whole, by FSDP2
         assert (
             run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == EXPERT_TENSORS
@@ -63,6 +69,21 @@ def test_deferred_on_sharded_engines_equals_the_plain_engine_with_unsynced_accum
     assert len({run["digest"] for run in runs}) == expert_rows
 
 
+def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for r in ranks:
+        run = r["inf_on_one_rank"]
+        assert run["moved_in_skipped"] == []  # on the clean rank too
+        assert run["skipped_steps"] == 1
+        assert run["differ"] == [], run["differ"][:3]
+
+
+def test_grad_scaler_is_refused_at_step_before_any_weight_moves(ranks):
+    for r in ranks:
+        run = r["grad_scaler_refused"]
+        assert run["message"] is not None and "GradScaler" in run["message"] and "bf16" in run["message"]
+        assert run["moved"] == []
+
+
 def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):
     for r in ranks:
         assert r["control/sync_every"], "a sync on every micro-batch must give other bits"
@@ -81,6 +102,15 @@ def test_loop_fsdp2_reduces_otherwise_is_refused_at_step_before_any_weight_moves
         assert run["message"] is not None and all(n in run["message"] for n in names), run["message"]
         assert run["moved"] == []
         assert run["then"] == [], run["then"][:3]  # the message's fix: exact again
+
+
+@pytest.mark.slow
+def test_deferred_on_fsdp2_with_compiled_blocks_equals_plain_fsdp2_with_compiled_blocks(tmp_path):
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_compiled", str(tmp_path))
+    runs = [r[label(*COMPILED)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        check_exact(run, COMPILED)
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
 
 
 @pytest.mark.slow
