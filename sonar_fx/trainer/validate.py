@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sonar_fx import api
 from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, ExpertClip, OptimizerConfig
-from sonar_fx.engines import engine_named
+from sonar_fx.engines import ENGINES, engine_named
 from sonar_fx.methods import METHODS, Method
 from sonar_fx.models import TINY_MODELS, build_model
 from sonar_fx.optim.optimizer import NONFINITE
@@ -138,13 +139,32 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     _refuse_unused(cfg, {name.removeprefix("adamw_") for name in extra})
     try:
         opt_cfg = kind(**fields, **extra)
-        Method.named(cfg.method).check_clip(opt_cfg)
-        engine_named(cfg.parallel).check_optimizer(opt_cfg)  # what the --parallel engine is verified with
+        method = Method.named(cfg.method)
+        method.check_clip(opt_cfg)
+        # What the --parallel engine is verified with (the one rule, `sonar_fx.api.distributed_gap`).
+        engine_named(cfg.parallel).check_optimizer(opt_cfg, method.schedule)
     except ConfigFieldError as exc:
+        if exc.field == "schedule":
+            raise _deferred_refused(cfg, exc) from exc
         raise field_error(exc) from exc
     if cfg.state_bits != 32 or cfg.dense_state_bits != 32:
         _check_torchao("--state-bits" if cfg.state_bits != 32 else "--dense-state-bits")
     return opt_cfg
+
+
+def _deferred_refused(cfg: TrainConfig, exc: ConfigFieldError) -> ConfigError:
+    """The deferred schedule refused on the --parallel engine, blamed on the flag that chose it, with the
+    runs the command line offers instead."""
+    flag = "--grad-accum" if cfg.grad_accum > 1 else "--clip-scope" if cfg.clip_scope == "all" else "--method"
+    running = [e for e in ENGINES if e in api.DEFERRED_ENGINES]  # read at the call: the rule's now
+    elsewhere = f"--parallel {' or '.join(running)} with the same flags; or " if running else ""
+    return ConfigError(
+        f"{flag}: --parallel {cfg.parallel} with --method {cfg.method} (the deferred schedule, which "
+        f"--grad-accum > 1 and --clip-scope all choose for sonar): {exc}. On the command line: {elsewhere}"
+        f"on {cfg.parallel}, --method sonar with --grad-accum 1 and --clip-scope dense (in-backward "
+        "updates), or --method standard with the same flags (no saving)",
+        flag=flag,
+    )
 
 
 def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
