@@ -69,12 +69,12 @@ class _OptimizerConfig:
     training clips; costs a second forward and backward: `SonarOptimizer.backward(closure)` runs
     both)."""
     keep_budget: KeepBudget = 0
-    """schedule="deferred" with expert_clip="global" (or a GradScaler, or nonfinite="skip"): bytes of
-    expert gradients the norm pass may keep for the update pass instead of computing them again (those
-    the update pass reaches first; a gradient already held whole, e.g. past its crossover, counts
-    against it). 0: none kept, each computed twice (one gradient alive at a time); "auto": the CUDA
-    caching allocator's free memory at each step less a stated margin (`sonar_fx.optim.keep_budget`;
-    refused on CPU). Exact at every budget."""
+    """schedule="deferred" with expert_clip="global" (or `model.sonar.clip_grad_norm_`, a GradScaler,
+    nonfinite="skip"): bytes of expert gradients the norm pass may keep for the update pass instead of
+    computing them again (those the update pass reaches first; a gradient already held whole, e.g.
+    past its crossover, counts against it). 0: none kept, each computed twice (one gradient alive at a
+    time); "auto": the CUDA caching allocator's free memory at each step less a stated margin
+    (`sonar_fx.optim.keep_budget`; refused on CPU). Exact at every budget."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Before the dataclass's own __init__: a torch optimizer's keyword (maximize=, ...) is refused

@@ -1,5 +1,6 @@
 """The deferred step's keep budget (`sonar_fx.optim.keep_budget`): under the clip over every parameter
-(and a GradScaler's verdict) the norm pass keeps computed expert gradients up to `keep_budget` bytes and
+(Sonar's, expert_clip="global", or the user's, `model.sonar.clip_grad_norm_`) and a GradScaler's
+verdict the norm pass keeps computed expert gradients up to `keep_budget` bytes and
 the update pass uses them instead of computing them again. Exact at every budget: `torch.equal` on
 every parameter against plain torch (`test_deferred.Twin`: fused AdamW, `clip_grad_norm_` over all),
 3 steps of 4 micro-batches, the clip active on each, at budget 0, half and all; the work saved is
@@ -45,14 +46,17 @@ def expert_bytes(opt) -> int:
     return sum(p.numel() * p.element_size() for p in opt.expert_group["params"])
 
 
-def pair(compiler: str, dtype: torch.dtype, budget: object, **options):
+def pair(compiler: str, dtype: torch.dtype, budget: object, clip: str = "sonar", **options):
     """A deferred model with the clip over all and `budget` ("half"/"all": of its expert gradients'
-    bytes), and its plain-torch twin."""
+    bytes), and its plain-torch twin. `clip`: "sonar" (expert_clip="global") or "user" (Sonar's clip
+    off: the loop calls `model.sonar.clip_grad_norm_`)."""
     model = build_model("tiny-olmoe", dtype=dtype, seed=0)
     twin_model = copy.deepcopy(model)
     total = sum(p.numel() * p.element_size() for p in expert_params(model))
     chosen = {"half": total // 2, "all": total}.get(budget, budget)  # type: ignore[call-overload]
     cfg = replace(cfg_for("all"), keep_budget=chosen)
+    if clip == "user":
+        cfg = replace(cfg, max_grad_norm=None, expert_clip=None)
     sonar_fx.compile(model, cfg, compiler=compiler, schedule="deferred", **options)
     opt = model.sonar
     names = {opt.expert_name(p) for p in opt.expert_group["params"]}
@@ -72,9 +76,13 @@ def count_recipe_runs(monkeypatch) -> list[int]:
     return runs
 
 
-def run_counted(model, opt, twin: Twin, runs: list[int], seq: int = SEQ) -> tuple[list[float], int, int]:
+def run_counted(
+    model, opt, twin: Twin, runs: list[int], seq: int = SEQ, clip: str = "sonar"
+) -> tuple[list[float], int, int]:
     """3 steps of `ACCUM` micro-batches on both; returns each step's total norm, and of the last step the
-    expert tensors whose gradient the step computed (not held whole) and the GEMM recipes it ran."""
+    expert tensors whose gradient the step computed (not held whole) and the GEMM recipes it ran (the
+    user's clip's included). `clip="user"`: `model.sonar.clip_grad_norm_` before `step()`, its norm
+    torch's `clip_grad_norm_` over every parameter of the twin, bitwise."""
     totals, data = [], batches(3 * ACCUM, seq=seq)
     for s in range(3):
         for b in data[s * ACCUM : (s + 1) * ACCUM]:
@@ -82,28 +90,40 @@ def run_counted(model, opt, twin: Twin, runs: list[int], seq: int = SEQ) -> tupl
             twin.run(**b).loss.backward()
         computed = sum(keep_budget.computed_twice(p, opt.deferred) for p in opt.expert_group["params"])
         runs[0] = 0
+        if clip == "user":
+            ours = opt.clip_grad_norm_(MAX_NORM)
+            theirs = torch.nn.utils.clip_grad_norm_(twin.all, MAX_NORM)
+            assert torch.equal(ours, theirs), (ours, theirs)
+            twin.opt.step()
+            twin.opt.zero_grad()
         opt.step()
         opt.zero_grad()
-        twin.step()
+        if clip == "sonar":
+            twin.step()
         totals.append(opt.grad_norms()["total"])
     return totals, computed, runs[0]
 
 
 # Eager at every budget in bf16 and fp32; compiled (the graph pass keeps the operands; the step is the
-# same code) at half, where the update pass takes kept gradients and computes the others.
+# same code) at half, where the update pass takes kept gradients and computes the others. Each with
+# Sonar's clip and with the user's (`model.sonar.clip_grad_norm_`: its own norm pass keeps).
 CASES = [
-    (c, d, b) for c, d in (("eager", torch.bfloat16), ("eager", torch.float32)) for b in (0, "half", "all")
+    (c, d, b, clip)
+    for clip in ("sonar", "user")
+    for c, d in (("eager", torch.bfloat16), ("eager", torch.float32))
+    for b in (0, "half", "all")
+]
+COMPILED = [
+    pytest.param("aot_eager", torch.bfloat16, "half", clip, marks=pytest.mark.slow)
+    for clip in ("sonar", "user")
 ]
 
 
-@pytest.mark.parametrize(
-    ("compiler", "dtype", "budget"),
-    [*CASES, pytest.param("aot_eager", torch.bfloat16, "half", marks=pytest.mark.slow)],
-)
-def test_every_budget_is_plain_torch(compiler, dtype, budget, monkeypatch):
-    model, opt, twin_model, twin = pair(compiler, dtype, budget)
+@pytest.mark.parametrize(("compiler", "dtype", "budget", "clip"), [*CASES, *COMPILED])
+def test_every_budget_is_plain_torch(compiler, dtype, budget, clip, monkeypatch):
+    model, opt, twin_model, twin = pair(compiler, dtype, budget, clip)
     runs = count_recipe_runs(monkeypatch)
-    totals, computed, step_runs = run_counted(model, opt, twin, runs)
+    totals, computed, step_runs = run_counted(model, opt, twin, runs, clip=clip)
     assert all(t > MAX_NORM for t in totals), totals  # the clip was active on every step
     assert_same_weights(model, twin_model)
     d = opt.report()["deferred"]
@@ -185,15 +205,18 @@ def test_nonfinite_skip_frees_what_the_norm_pass_kept():
     assert opt.meter.live == 0 and opt.report()["deferred"]["recomputed_share"] == 0.0
 
 
-def test_the_meter_counts_the_kept_gradients():
+@pytest.mark.parametrize("clip", ["sonar", "user"])
+def test_the_meter_counts_the_kept_gradients(clip):
     """The meter's peak of expert-gradient bytes alive at once: budget 0 holds one gradient being
     summed (2 x the largest); a budget adds at most what it kept; "all" holds every expert gradient
     at the end of the norm pass, as standard training holds them."""
     peaks, kept = {}, {}
     for budget in (0, "half", "all"):
-        model, opt, _, _ = pair("eager", torch.bfloat16, budget)
+        model, opt, _, _ = pair("eager", torch.bfloat16, budget, clip)
         for b in batches(ACCUM, seq=SEQ):
             model(**b).loss.backward()
+        if clip == "user":
+            opt.clip_grad_norm_(MAX_NORM)
         opt.step()
         report = opt.report()
         peaks[budget] = report["expert_grad_bytes"]["measured_peak"]
@@ -203,6 +226,43 @@ def test_the_meter_counts_the_kept_gradients():
     assert peaks[0] == 2 * biggest and kept[0] == 0
     assert kept["half"] == total // 2 and peaks[0] < peaks["half"] <= peaks[0] + kept["half"]
     assert kept["all"] == total and total <= peaks["all"] <= peaks[0] + total
+
+
+def test_the_users_clip_keeping_everything_still_refuses_what_it_must():
+    """The user's clip at budget "all" drops every expert tensor's operands (its gradient kept in their
+    place): a reset of every dense gradient Sonar did not see after it, or a GradScaler, is still
+    refused at step() before any weight moves, and zero_grad() frees what was kept."""
+    model, opt, _, _ = pair("eager", torch.float32, "all", "user")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(**batches(1, seq=SEQ)[0]).loss.backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    assert not opt.deferred.kept and len(opt.report()["deferred"]["kept"]) == 4  # all kept, none as operands
+    for p in opt.dense_params():
+        p.grad = None
+    with pytest.raises(SonarUsageError, match="every dense gradient was reset"):
+        opt.step()
+    opt.zero_grad()
+    assert opt.meter.live == 0 and not opt.kept_grads.holds_any()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(**batches(1, seq=SEQ)[0]).loss).backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    with pytest.raises(SonarUsageError, match="GradScaler"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_the_users_clip_with_nonfinite_skip_leaves_the_budget_to_the_steps_own_pass(monkeypatch):
+    """nonfinite="skip": the step's verdict pass computes every expert gradient again (a skipped step
+    must leave the kept operands as they were), so the user's clip keeps nothing and the step's own
+    norm pass spends the budget, as with Sonar's clip. Exact; recipes run three times less the kept."""
+    model, opt, twin_model, twin = pair("eager", torch.float32, "half", "user", nonfinite="skip")
+    runs = count_recipe_runs(monkeypatch)
+    totals, computed, step_runs = run_counted(model, opt, twin, runs, clip="user")
+    assert all(t > MAX_NORM for t in totals), totals
+    assert_same_weights(model, twin_model)
+    d = opt.report()["deferred"]
+    assert d["kept"] == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    assert step_runs == ACCUM * (3 * computed - len(d["kept"])), (step_runs, computed)
 
 
 def test_budgets_are_validated_and_refused_where_they_cannot_hold():

@@ -56,7 +56,7 @@ def step(opt: SonarOptimizer) -> None:
     the dense step, then each expert computed, clipped, updated and freed in turn."""
     store = opt.deferred
     reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
-    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
+    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p) or opt.kept_grads.holds(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
         opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped

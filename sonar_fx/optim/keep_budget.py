@@ -1,8 +1,9 @@
 """The deferred step's keep budget: expert gradients the norm pass keeps for the update pass.
 
-Under the clip over every parameter (or a GradScaler's verdict, or nonfinite="skip") the deferred step
-computes each expert gradient twice: in the norm pass (its norm, its inf check), then in the update
-pass. That keeps one gradient alive at a time, at the price of one more weight-gradient GEMM per
+Under the clip over every parameter (Sonar's, expert_clip="global", or the user's,
+`model.sonar.clip_grad_norm_`: `deferred_loop`), a GradScaler's verdict or nonfinite="skip", the
+deferred step computes each expert gradient twice: in the norm pass (its norm, its inf check), then in
+the update pass. That keeps one gradient alive at a time, at the price of one more weight-gradient GEMM per
 tensor. `KeptGradients` spends a byte budget (`keep_budget` in the config) on skipping it: the norm
 pass keeps the gradients it computed, in the order the update pass reaches them, each one that still
 fits, and the update pass takes them instead of computing them again. A kept gradient is the norm
@@ -128,6 +129,13 @@ class KeptGradients:
         self.meter.appeared(param, _nbytes(param))
         return grad
 
+    def holds(self, param: Tensor) -> bool:
+        """Whether a gradient is kept for `param` (its operands may be dropped already)."""
+        return id(param) in self._kept
+
+    def holds_any(self) -> bool:
+        return bool(self._kept)
+
     def clear(self) -> None:
         """Free every kept gradient (a step the scaler skipped, `zero_grad`)."""
         for _, key in self._kept.values():
@@ -180,7 +188,8 @@ def check_keep_budget(
         raise SonarUsageError(
             f"keep_budget={budget!r} with schedule={schedule!r}: the budget keeps gradients the deferred "
             "step's norm pass computed, and the in-backward schedule computes each expert gradient once, in "
-            "backward. Use schedule='deferred' (with expert_clip='global'), or drop keep_budget."
+            "backward. Use schedule='deferred' (with expert_clip='global' or model.sonar.clip_grad_norm_), "
+            "or drop keep_budget."
         )
     if distributed is not None:
         raise SonarUsageError(
