@@ -222,6 +222,14 @@ def clip_grad_norm_(opt: LoopOptimizer, max_norm: float, norm_type: float = 2.0)
         raise SonarUsageError(
             "model.sonar.clip_grad_norm_ was called twice before step(): clip once per step."
         )
+    if getattr(opt, "distributed", None) is not None:
+        raise SonarUsageError(
+            "model.sonar.clip_grad_norm_ on a distributed engine: the expert gradients it would take the "
+            "norm of are this rank's, before the engine reduces them, so the norm would not be the one "
+            "clip_grad_norm_ computes on the plain engine. Refused before any gradient was clipped. Let "
+            "Sonar clip at step() instead: max_grad_norm=<max_norm>, expert_clip='global' in the config "
+            "(one norm over every parameter of every rank, as the engine's clip_grad_norm_ returns it)."
+        )
     order = opt.model_order()
     dense = [p for p in opt.dense_params() if p.grad is not None]
     norms: dict[int, Tensor] = {}
