@@ -71,8 +71,9 @@ def step(opt: SonarOptimizer) -> None:
     skip_whole = opt.nonfinite_policy.mode == "skip"
     if scaler is not None or clip_all or skip_whole:
         found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
-        if scaler is not None and found_inf is not None and found_inf.item():
-            scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
+        # One verdict on every rank: a rank holding other experts (expert parallelism) saw other infs.
+        if scaler is not None and opt._any_rank(found_inf is not None and bool(found_inf.item())):
+            scaler.report_inf(torch.ones(()))  # the scaler skips the step as if it had seen it: so do we
             opt.kept_grads.clear()
             opt.clipper.abandon()
             return
