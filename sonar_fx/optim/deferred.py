@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.passes.recipe import Recipe
+from sonar_fx.passes.recipe import load_recipe
 from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
@@ -60,7 +60,7 @@ class _Kept:
             param.as_strided(o.size, o.stride, o.offset) if isinstance(o, _WeightView) else o
             for o in self.operands
         ]
-        return Recipe.from_json(self.recipe).run(ops)
+        return load_recipe(self.recipe).run(ops)
 
 
 Entry = _Kept | Tensor
