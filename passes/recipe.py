@@ -68,9 +68,13 @@ class Program:
     output by index."""
     result: int = -1
     """Which step's result is the gradient (an in-place last step returns what it wrote into)."""
+    into: tuple[int, int] | None = None
+    """(dim, index): the result is the gradient of the slice `param.select(dim, index)` alone, zero
+    elsewhere (what autograd's SelectBackward pads with zeros): the sum adds it into that slice."""
 
     def to_json(self) -> str:
-        return json.dumps({"steps": self.steps, "result": self.result}, separators=(",", ":"))
+        data = {"steps": self.steps, "result": self.result, "into": self.into}
+        return json.dumps(data, separators=(",", ":"))
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the ops in order, as the graph or autograd ran them)."""
@@ -86,7 +90,10 @@ def load_recipe(text: str) -> Recipe | Program:
     """A `Recipe` or a `Program` from its JSON (cached: a graph hands the same text every backward)."""
     data = json.loads(text)
     if isinstance(data, dict):
-        return Program([(s[0], s[1], s[2]) for s in data["steps"]], data["result"])
+        into = data.get("into")
+        return Program(
+            [(s[0], s[1], s[2]) for s in data["steps"]], data["result"], into and (into[0], into[1])
+        )
     return Recipe.from_json(text)
 
 

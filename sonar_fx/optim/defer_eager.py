@@ -54,7 +54,7 @@ class DeferGemms(TorchFunctionMode):
                 # nothing upstream does (a frozen layer before the experts), and its node has the edge to
                 # `param` by which the engine says whether this backward accumulates into it (`inputs=`,
                 # `autograd.grad`).
-                return _KeepOperands.apply(found.output, found.param, found, *found.saved)
+                return _KeepOperands.apply(found.output, found.param, found.keep, *found.saved)
         return func(*args, **kwargs)
 
 
@@ -67,18 +67,21 @@ class _KeepOperands(torch.autograd.Function):
     `loss` through `step()` does not hold every layer's inputs with it."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, param: Tensor, capture: paths.Capture, *saved: Tensor):
+    def forward(ctx: Any, y: Tensor, param: Tensor, keep: paths.Keep, *saved: Tensor):
         ctx.save_for_backward(*saved)
-        ctx.capture = capture
-        return y.view_as(y)
+        ctx.param, ctx.keep = param, keep
+        # Not `y` itself (an input returned as-is is a view, and experts add their bias in place on
+        # the GEMM's output): a new tensor on y's storage, whose gradient backward hands on to y.
+        return y.detach()
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        capture: paths.Capture = ctx.capture
-        owner = owner_of(capture.param)
+        saved = ctx.saved_tensors  # unpacked once: checkpointing refuses a second unpack
+        keep: paths.Keep = ctx.keep
+        owner = owner_of(ctx.param)
         assert owner is not None, "an expert tensor captured in forward lost its optimizer before backward"
-        owner.defer_expert_(capture.param, capture.recipe, capture.operands(dy, ctx.saved_tensors))
-        return (dy, None, None, *(None for _ in ctx.saved_tensors))
+        owner.defer_expert_(ctx.param, keep.recipe, keep.operands(dy, saved))
+        return (dy, None, None, *(None for _ in saved))
 
 
 def register_defer_hooks(modules: Iterable[nn.Module]) -> list[RemovableHandle]:

@@ -10,11 +10,12 @@ gradient is bitwise autograd's:
 - `sonar_fx::grouped_mm` (the reference model's kernel): its backward op, weight output;
 - `bmm` on gathered rows `W[ids]` (transformers' batched_mm): `dy.bmm(x^T)` (or `x^T.bmm(dy)` for a
   transposed layout), then IndexBackward's zero-filled, accumulating `_index_put_impl_` in slot order;
+  `bmm` on the batched weight itself (Llama-4's experts): the bmm derivative alone;
 - `linear` on one expert's slice `W[e]` (transformers' eager loop): `dy^T.mm(x)` (mm's weight gradient
-  for the column-major `W[e].t()`), then SelectBackward's `select_backward` into a zero-filled tensor.
-  Each expert is one contribution of its backward: autograd's input buffer sums the zero-padded slices
-  in the order they arrive, and the store sums them the same way (`deferred._sum`); off its slice each
-  contribution is zero, and 0 + x is x.
+  for the column-major `W[e].t()`), a contribution to that slice alone (`Program.into`). Autograd's
+  SelectBackward pads it with zeros and its input buffer sums the padded slices in arrival order; the
+  store adds each into its slice of one zero-filled sum instead (`deferred._sum`): the same values, as
+  off its slice each contribution is zero and 0 + x is x, without a whole tensor per expert.
 Pure torch over what the call hands over; never updates a weight.
 """
 
@@ -31,17 +32,25 @@ from sonar_fx.runtime.registry import owner_of
 
 
 @dataclass(frozen=True)
+class Keep:
+    """What backward hands the owner for one captured GEMM; holds no tensor (the autograd node saves
+    them, and frees them when its backward ends)."""
+
+    recipe: str
+    operands: Callable[[Tensor, tuple[Tensor, ...]], list[Tensor]]
+    """(dy, saved) -> the recipe's operands."""
+
+
+@dataclass(frozen=True)
 class Capture:
     """A GEMM run on the detached expert weight, and what backward must keep for its weight gradient."""
 
     output: Tensor
     """The GEMM's result (no autograd edge to the weight)."""
     param: Tensor
-    recipe: str
     saved: tuple[Tensor, ...]
     """Forward tensors the recipe reads (detached: never the graph upstream of them)."""
-    operands: Callable[[Tensor, tuple[Tensor, ...]], list[Tensor]]
-    """(dy, saved) -> the recipe's operands."""
+    keep: Keep
 
 
 def deferred_param(w: Tensor) -> Any:
@@ -93,7 +102,7 @@ def capture_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[str, An
     # (dy^T, x) for a transposed weight: the gradient comes out in the parameter's own layout, so the
     # step never copies it to another (one gradient alive, not two).
     operands = _transposed_operands if transposed else _plain_operands
-    return Capture(y, param, _GROUPED_MM_RECIPE, (x.detach(), offs), operands)
+    return Capture(y, param, (x.detach(), offs), Keep(_GROUPED_MM_RECIPE, operands))
 
 
 def _plain_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
@@ -123,7 +132,9 @@ def capture_sonar_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[s
         return None
     # The weight as the op read it (a view of the parameter): the store keeps it as a view, not a copy.
     saved = (x.detach(), w.detach(), offs)
-    return Capture(func(x, w.detach(), offs), found[0], _SONAR_GROUPED_MM_RECIPE, saved, _kernel_operands)
+    return Capture(
+        func(x, w.detach(), offs), found[0], saved, Keep(_SONAR_GROUPED_MM_RECIPE, _kernel_operands)
+    )
 
 
 def _kernel_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
@@ -139,6 +150,14 @@ def capture_gathered_bmm(func: Callable[..., Any], args: Any, kwargs: dict[str, 
         return None
     a, b = args
     for weight_first, w in ((True, a), (False, b)):
+        direct = deferred_param(w) if isinstance(w, Tensor) and w._base is None else None
+        if direct is not None:  # the batched weight itself (Llama-4: one bmm over every expert)
+            other = b if weight_first else a
+            y = func(a.detach(), b) if weight_first else func(a, b.detach())
+            recipe = _bmm_program(weight_first).to_json()
+            return Capture(
+                y, direct[0], (other.detach(),), Keep(recipe, _dy_other if weight_first else _other_dy)
+            )
         found = _gathered_from(w, "IndexBackward0") if isinstance(w, Tensor) else None
         if found is None:
             continue
@@ -150,26 +169,41 @@ def capture_gathered_bmm(func: Callable[..., Any], args: Any, kwargs: dict[str, 
         y = func(a.detach(), b) if weight_first else func(a, b.detach())
         recipe = _gather_program(tuple(param.shape), weight_first).to_json()
         operands = _dy_other_ids if weight_first else _other_dy_ids
-        return Capture(y, param, recipe, (other.detach(), indices[0]), operands)
+        return Capture(y, param, (other.detach(), indices[0]), Keep(recipe, operands))
     return None
 
 
-def _gather_program(shape: tuple[int, ...], weight_first: bool) -> Program:
-    """bmm's derivative for its weight argument, then IndexBackward: operands [dy, other, ids] (weight
-    first: `dy.bmm(other^T)`) or [other, dy, ids] (`other^T.bmm(dy)`)."""
-    step: list[tuple[str, list[Any], dict[str, Any]]] = []
+def _bmm_program(weight_first: bool) -> Program:
+    """bmm's derivative for its weight argument (derivatives.yaml): operands [dy, other] (weight first:
+    `dy.bmm(other^T)`) or [other, dy] (`other^T.bmm(dy)`)."""
+    Step = tuple[str, list[Any], dict[str, Any]]
     if weight_first:
-        step.append(("aten.transpose.int", [{"operand": 1}, 1, 2], {}))
-        step.append(("aten.bmm.default", [{"operand": 0}, {"step": 0}], {}))
+        transpose: Step = ("aten.transpose.int", [{"operand": 1}, 1, 2], {})
+        gemm: Step = ("aten.bmm.default", [{"operand": 0}, {"step": 0}], {})
     else:
-        step.append(("aten.transpose.int", [{"operand": 0}, 1, 2], {}))
-        step.append(("aten.bmm.default", [{"step": 0}, {"operand": 1}], {}))
-    step.append(("aten.new_zeros.default", [{"step": 1}, list(shape)], {}))
+        transpose = ("aten.transpose.int", [{"operand": 0}, 1, 2], {})
+        gemm = ("aten.bmm.default", [{"step": 0}, {"operand": 1}], {})
+    return Program([transpose, gemm])
+
+
+def _dy_other(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    return [dy, saved[0]]
+
+
+def _other_dy(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    return [saved[0], dy]
+
+
+def _gather_program(shape: tuple[int, ...], weight_first: bool) -> Program:
+    """bmm's derivative for its weight argument (`_bmm_program`), then IndexBackward: operands
+    [dy, other, ids] or [other, dy, ids]."""
+    steps = list(_bmm_program(weight_first).steps)
+    steps.append(("aten.new_zeros.default", [{"step": 1}, list(shape)], {}))
     # IndexBackward0: accumulate=True, unsafe=True, in slot order (serial on CPU, as autograd runs it)
-    step.append(
+    steps.append(
         ("aten._index_put_impl_.default", [{"step": 2}, [{"operand": 2}], {"step": 1}, True, True], {})
     )
-    return Program(step, result=2)
+    return Program(steps, result=2)
 
 
 def _dy_other_ids(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
@@ -196,14 +230,12 @@ def capture_slice_linear(func: Callable[..., Any], args: Any, kwargs: dict[str, 
     param, fn = found
     dim, index = int(fn._saved_dim), int(fn._saved_index)
     dim = dim % param.dim()
-    recipe = Program(
-        [
-            ("aten.t.default", [{"operand": 0}], {}),
-            ("aten.mm.default", [{"step": 0}, {"operand": 1}], {}),
-            ("aten.select_backward.default", [{"step": 1}, list(param.shape), dim, index], {}),
-        ]
-    ).to_json()
-    return Capture(func(x, w.detach()), param, recipe, (x.detach(),), _dy_x)
+    steps: list[tuple[str, list[Any], dict[str, Any]]] = [
+        ("aten.t.default", [{"operand": 0}], {}),
+        ("aten.mm.default", [{"step": 0}, {"operand": 1}], {}),
+    ]
+    recipe = Program(steps, into=(dim, index)).to_json()
+    return Capture(func(x, w.detach()), param, (x.detach(),), Keep(recipe, _dy_x))
 
 
 def _dy_x(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
