@@ -24,7 +24,12 @@ from sonar_fx.models import build_model
 from helpers import CFG, batches
 from saving_cases import PATHS, measure_path
 
-SLOW = ("deferred_user_compile", "batched_mm_aot_eager", "deferred_batched_mm_aot_eager")
+SLOW = (
+    "deferred_user_compile",
+    "batched_mm_aot_eager",
+    "deferred_batched_mm_aot_eager",
+    "deferred_kept_whole",
+)
 """Compiled paths whose warning and refusal tests/test_saving_guard.py also checks (2-3 s each on a
 quiet machine, 6-8 s loaded); the deferred schedule's compiled claim stays in the fast tier."""
 
