@@ -202,15 +202,22 @@ Measured over every family of the zoo and experts implementation: these are the 
 in eager (besides transformers' own `eager` loop of gpt_oss and aria_text, which have their own form)."""
 
 
-@pytest.mark.parametrize(("model_type", "implementation"), ZOO)
+ZOO_COMPILED = [
+    pytest.param(t, i, "aot_eager", marks=pytest.mark.slow)  # two compiles each: over 10 s
+    for t, i in [("qwen2_moe", "batched_mm"), ("gpt_oss", "grouped_mm")]  # gpt-oss: biases too
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "implementation", "compiler"), [(*z, "eager") for z in ZOO] + ZOO_COMPILED
+)
 @pytest.mark.usefixtures("deferred_saving_lost")
-def test_zoo_families_keep_operands_for_every_expert_tensor_eager(model_type, implementation):
+def test_zoo_families_keep_operands_for_every_expert_tensor(model_type, implementation, compiler):
     from families import differing, train
 
-    twin, _, twin_error = train(
-        "standard_no_expert_clip", model_type, "eager", 2, implementation=implementation
-    )
-    sonar, m, error = train("sonar_deferred", model_type, "eager", 2, implementation=implementation)
+    kwargs = dict(implementation=implementation)
+    twin, _, twin_error = train("standard_no_expert_clip", model_type, compiler, 2, **kwargs)
+    sonar, m, error = train("sonar_deferred", model_type, compiler, 2, **kwargs)
     assert error is None and twin_error is None, (error, twin_error)
     assert not differing(sonar, twin)
     report = m.optimizer.report()
