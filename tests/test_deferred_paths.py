@@ -3,8 +3,9 @@
 model's kernel (`sonar_fx::grouped_mm`), eager and compiled (transformers' grouped_mm: tests/
 test_deferred.py). Each path against its own standard run in plain torch (`Twin`: fused AdamW, the clip
 over every parameter, 4 micro-batches per step), `torch.equal` on every parameter; and each keeps, at
-its peak, operands plus one gradient below the whole gradients. The one path still kept whole is named
-here with why: the eager loop under torch.compile.
+its peak, operands plus one gradient below the whole gradients. The zoo's families (tests/families.py)
+keep no gradient whole but the exceptions named here with why: the eager loop under torch.compile,
+and in eager four forms no capture knows (`KEPT_WHOLE`).
 """
 
 from __future__ import annotations
@@ -242,3 +243,24 @@ def test_zoo_exceptions_are_kept_whole_exactly_and_named(model_type, implementat
     assert not differing(sonar, twin)  # exact all the same
     whole = m.optimizer.report()["deferred"]["kept_whole"]
     assert whole and all(fragment in name for name in whole), whole
+
+
+def test_a_program_round_trips_through_json_with_its_constants():
+    """Plain data: a program's kwargs hold encoded dtypes, layouts and devices (a kwargs dict named
+    "dtype" is not a dtype), and `load_recipe` runs it to what the ops give directly."""
+    steps = [
+        ("aten.t.default", [{"operand": 0}], {}),
+        ("aten.mm.default", [{"step": 0}, {"operand": 1}], {}),
+        (
+            "aten._to_copy.default",
+            [{"step": 1}],
+            {"dtype": {"dtype": "bfloat16"}, "layout": {"layout": "strided"}},
+        ),
+        ("aten.new_zeros.default", [{"step": 2}, [3, 4, 5]], {"device": {"device": "cpu"}}),
+    ]
+    program = Program(steps, result=2, into=(0, 1))
+    loaded = load_recipe(program.to_json())
+    assert loaded == program
+    dy, x = torch.randn(6, 4), torch.randn(6, 5)
+    assert torch.equal(loaded.run([dy, x]), dy.t().mm(x).to(torch.bfloat16))
+    assert not torch.equal(loaded.run([x[:, :4], x]), dy.t().mm(x).to(torch.bfloat16))  # other operands
