@@ -151,7 +151,41 @@ def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
         args = _encode(list(node.args), operands, steps)
         program.append((name, args, _encode(dict(node.kwargs), operands, steps)))
         steps[node] = len(program) - 1
-    return Program(program, steps[grad]), operands, nodes
+    return Program(_in_place_on_fresh(program), steps[grad]), operands, nodes
+
+
+_FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default", "aten.new_full.default"}
+
+
+def _in_place_on_fresh(
+    program: list[tuple[str, list[Any], dict[str, Any]]],
+) -> list[tuple[str, list[Any], dict[str, Any]]]:
+    """A functional `index_put` on a buffer the program itself just filled, and reads nowhere else,
+    written in place (`index_put` is a clone then `index_put_`: the same values, one gradient-sized
+    buffer fewer alive at the step)."""
+    readers: dict[int, int] = {}
+    for _, args, kwargs in program:
+        for j in _steps_read([args, kwargs]):
+            readers[j] = readers.get(j, 0) + 1
+    out = []
+    for name, args, kwargs in program:
+        first = args[0] if args else None
+        source = first.get("step") if isinstance(first, dict) and len(first) == 1 else None
+        fresh = isinstance(source, int) and program[source][0] in _FRESH and readers.get(source) == 1
+        if name == "aten.index_put.default" and fresh:
+            name = "aten.index_put_.default"
+        out.append((name, args, kwargs))
+    return out
+
+
+def _steps_read(value: Any) -> list[int]:
+    if isinstance(value, list):
+        return [j for v in value for j in _steps_read(v)]
+    if isinstance(value, dict):
+        if len(value) == 1 and isinstance(value.get("step"), int):
+            return [value["step"]]
+        return [j for v in value.values() for j in _steps_read(v)]
+    return []
 
 
 def _cone(grad: Node) -> set[Node]:
