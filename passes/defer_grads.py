@@ -115,7 +115,10 @@ def _recipe(eg: ExpertGrad) -> tuple[Recipe | Program, list[Node], list[Node]]:
     chain = _chain(eg.grad, eg.producer)
     if not needs_program(operands, set(chain)):
         return recipe, operands, chain
-    return build_program(eg.grad)
+    try:
+        return build_program(eg.grad)
+    except NotRerunnable:
+        return recipe, operands, chain  # the single op still re-runs: its operands kept as they are
 
 
 def _chain(grad: Node, producer: Node) -> list[Node]:
