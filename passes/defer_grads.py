@@ -18,8 +18,12 @@ The op hands the operands (copies that own their storage when `own`: inductor ma
 thinks dead) to the expert's optimizer, which computes the gradient at `step()` with the same ops on
 the same operands, when the whole step's facts (all micro-batches, the global norm, a GradScaler's
 verdict) are known. The weight-gradient node is removed when nothing else reads it, so a backward
-computes no expert weight gradient at all. A producer that cannot be written as a recipe keeps its
-gradient output (the optimizer then keeps that gradient until `step()`, as standard training does).
+computes no expert weight gradient at all. Where the producer's own operands include a tensor the
+graph computes for this gradient alone (batched_mm: `index_put(new_zeros(..), [ids], bmm(dy, x^T),
+True)`, whose bmm product is one expert-sized slab per routed token), the recipe is a program of every
+such node instead, over the tensors the graph holds anyway (dy, x, ids). A producer that cannot be
+written as a recipe keeps its gradient output (the optimizer then keeps that gradient until `step()`,
+as standard training does).
 Counters in `torch._dynamo.utils.counters["sonar"]`: "deferred", "kept:<producer kind>".
 """
 
@@ -33,10 +37,10 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from sonar_fx.passes.find_expert_grads import find_expert_grads
+from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
 from sonar_fx.passes.graph_utils import node_order
 from sonar_fx.passes.insert_updates import META_KEYS, last_reader, registered_op
-from sonar_fx.passes.recipe import NotRerunnable, build_recipe
+from sonar_fx.passes.recipe import NotRerunnable, Program, Recipe, build_program, build_recipe, needs_program
 
 DEFER_OP_NAME = "sonar_fx::expert_defer_"
 
@@ -58,12 +62,13 @@ def expert_defer_pass(
     returned = list(output.args[0])
     order = node_order(bw_gm.graph)
     inserted = []
+    erase: dict[int, list[Node]] = {}
     for eg in grads:
         if not eg.aliases:
             counters["sonar"]["left_to_hooks"] += 1
             continue
         try:
-            recipe, operands = build_recipe(eg.producer, eg.grad)
+            recipe, operands, computed = _recipe(eg)
         except NotRerunnable:
             counters["sonar"][f"kept:{eg.kind}"] += 1
             continue
@@ -78,12 +83,12 @@ def expert_defer_pass(
         node.meta["val"] = None
         returned[eg.input_index] = None
         inserted.append((eg.input_index, eg.kind))
+        erase[eg.input_index] = computed
         counters["sonar"]["deferred"] += 1
         counters["sonar"][f"kind:{eg.kind}"] += 1
     output.args = (tuple(returned),)
-    for eg in grads:
-        if returned[eg.input_index] is None:
-            _erase_unused_chain(eg.grad, eg.producer)
+    for nodes in erase.values():
+        _erase_unused(nodes)
     bw_gm.graph.lint()
     bw_gm.recompile()
     counters["sonar"]["graphs"] += 1
@@ -102,9 +107,22 @@ def _token(bw_gm: GraphModule, like: Node) -> Node:
     return node
 
 
-def _erase_unused_chain(grad: Node, producer: Node) -> None:
-    """Drop the gradient's view chain and its producer (and a multi-output op behind a getitem) where
-    nothing else reads them: the backward then never computes that weight gradient."""
+def _recipe(eg: ExpertGrad) -> tuple[Recipe | Program, list[Node], list[Node]]:
+    """The recipe of `eg`'s gradient, its operand nodes, and the nodes it computes again (in graph
+    order): the producer and its views, or a program where a single op would keep a tensor the graph
+    computes only for this gradient (`recipe.needs_program`)."""
+    recipe, operands = build_recipe(eg.producer, eg.grad)
+    chain = _chain(eg.grad, eg.producer)
+    if not needs_program(operands, set(chain)):
+        return recipe, operands, chain
+    try:
+        return build_program(eg.grad)
+    except NotRerunnable:
+        return recipe, operands, chain  # the single op still re-runs: its operands kept as they are
+
+
+def _chain(grad: Node, producer: Node) -> list[Node]:
+    """The producer (a multi-output op behind a getitem with it) and its views up to `grad`, in order."""
     chain = []
     node = grad
     while node is not producer:
@@ -113,10 +131,15 @@ def _erase_unused_chain(grad: Node, producer: Node) -> None:
     chain.append(producer)
     if producer.target is operator.getitem:
         chain.append(producer.args[0])  # type: ignore[arg-type]
-    for node in chain:
-        if node.users:
-            return
-        node.graph.erase_node(node)
+    return chain[::-1]
+
+
+def _erase_unused(nodes: list[Node]) -> None:
+    """Drop the nodes a recipe computes again, last first, where nothing else reads them: the backward
+    then never computes that weight gradient."""
+    for node in reversed(nodes):
+        if not node.users:
+            node.graph.erase_node(node)
 
 
 def defer_op() -> torch._ops.OpOverload:

@@ -2,11 +2,14 @@
 
 A `Recipe` is the producer node of a backward graph (one op, or one output of a multi-output op) and
 the chain of views from it to the returned gradient, with every tensor argument replaced by an index
-into a list of kept operands. It is plain data, written as JSON into the graph as a string constant:
-a graph served from a compile cache in another process still carries it, and nothing in it names a
-particular parameter (which parameter is found at run time, as for the update op). `run` calls the
-same ops on the same operands, so the gradient comes out bitwise as the graph would have made it.
-Pure torch: never imports training code.
+into a list of kept operands. A `Program` is several ops over the kept operands, each reading operands
+and earlier results: the weight gradient of a gathered-weight bmm is a bmm, a zero-filled gradient and
+an accumulating index_put, and keeping the bmm's product (a slot per routed token, each as large as an
+expert's weight) would cost more than the gradient. Both are plain data, written as JSON into the graph
+as a string constant: a graph served from a compile cache in another process still carries it, and
+nothing in it names a particular parameter (which parameter is found at run time, as for the update
+op). `run` calls the same ops on the same operands, so the gradient comes out bitwise as the graph (or
+autograd) would have made it. Pure torch: never imports training code.
 """
 
 from __future__ import annotations
@@ -50,12 +53,48 @@ class Recipe:
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the same ops, in the same order, as the graph)."""
-        out = _op(self.op)(*_decode(self.args, operands), **_decode(self.kwargs, operands))
+        out = _op(self.op)(*_decode(self.args, operands, []), **_decode(self.kwargs, operands, []))
         if self.item is not None:
             out = out[self.item]
         for name, args, kwargs in self.views:
-            out = _op(name)(out, *_decode(args, operands), **_decode(kwargs, operands))
+            out = _op(name)(out, *_decode(args, operands, []), **_decode(kwargs, operands, []))
         return out
+
+
+@dataclass(frozen=True)
+class Program:
+    steps: list[tuple[str, list[Any], dict[str, Any]]]
+    """(op, args, kwargs) in order; an argument {"step": j} is the result of step j, "getitem" an op's
+    output by index."""
+    result: int = -1
+    """Which step's result is the gradient (an in-place last step returns what it wrote into)."""
+    into: tuple[int, int] | None = None
+    """(dim, index): the result is the gradient of the slice `param.select(dim, index)` alone, zero
+    elsewhere (what autograd's SelectBackward pads with zeros): the sum adds it into that slice."""
+
+    def to_json(self) -> str:
+        data = {"steps": self.steps, "result": self.result, "into": self.into}
+        return json.dumps(data, separators=(",", ":"))
+
+    def run(self, operands: Sequence[Tensor]) -> Tensor:
+        """The gradient, from the kept operands (the ops in order, as the graph or autograd ran them)."""
+        values: list[Any] = []
+        for name, args, kwargs in self.steps:
+            fn = operator.getitem if name == "getitem" else _op(name)
+            values.append(fn(*_decode(args, operands, values), **_decode(kwargs, operands, values)))
+        return values[self.result]
+
+
+@functools.cache
+def load_recipe(text: str) -> Recipe | Program:
+    """A `Recipe` or a `Program` from its JSON (cached: a graph hands the same text every backward)."""
+    data = json.loads(text)
+    if isinstance(data, dict):
+        into = data.get("into")
+        return Program(
+            [(s[0], s[1], s[2]) for s in data["steps"]], data["result"], into and (into[0], into[1])
+        )
+    return Recipe.from_json(text)
 
 
 def build_recipe(producer: Node, grad: Node) -> tuple[Recipe, list[Node]]:
@@ -86,14 +125,115 @@ def build_recipe(producer: Node, grad: Node) -> tuple[Recipe, list[Node]]:
     return recipe, operands
 
 
+def needs_program(recipe_operands: list[Node], chain: set[Node]) -> bool:
+    """Whether a single-op recipe would keep a tensor the backward computes for this gradient alone
+    (a non-view node all of whose users are in `chain`, the gradient's producer and views): then the
+    recipe would hold what the graph frees at once (batched_mm: the product of its bmm, one expert-sized
+    slab per routed token), and a `Program` recomputes it from what the graph holds anyway."""
+    return any(
+        n.op == "call_function" and not is_view_node(n) and all(u in chain for u in n.users)
+        for n in recipe_operands
+    )
+
+
+def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
+    """The program of the gradient `grad`: every node that computes it and nothing else (its users all
+    in the program), recomputed at `step()`, over operands the graph computes anyway (placeholders,
+    nodes with other users). Returns (program, operand nodes, program nodes in graph order)."""
+    cone = _cone(grad)
+    order = {n: i for i, n in enumerate(grad.graph.nodes)}
+    nodes = sorted(cone, key=order.__getitem__)
+    operands: list[Node] = []
+    steps: dict[Node, int] = {}
+    program = []
+    for node in nodes:
+        name = "getitem" if node.target is operator.getitem else str(node.target)
+        args = _encode(list(node.args), operands, steps)
+        program.append((name, args, _encode(dict(node.kwargs), operands, steps)))
+        steps[node] = len(program) - 1
+    return Program(_in_place_on_fresh(program), steps[grad]), operands, nodes
+
+
+_FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default", "aten.new_full.default"}
+
+
+def _in_place_on_fresh(
+    program: list[tuple[str, list[Any], dict[str, Any]]],
+) -> list[tuple[str, list[Any], dict[str, Any]]]:
+    """A functional `index_put` on a buffer the program itself just filled, and reads nowhere else,
+    written in place (`index_put` is a clone then `index_put_`: the same values, one gradient-sized
+    buffer fewer alive at the step)."""
+    readers: dict[int, int] = {}
+    for _, args, kwargs in program:
+        for j in _steps_read([args, kwargs]):
+            readers[j] = readers.get(j, 0) + 1
+    out = []
+    for name, args, kwargs in program:
+        first = args[0] if args else None
+        source = first.get("step") if isinstance(first, dict) and len(first) == 1 else None
+        fresh = isinstance(source, int) and program[source][0] in _FRESH and readers.get(source) == 1
+        if name == "aten.index_put.default" and fresh:
+            name = "aten.index_put_.default"
+        out.append((name, args, kwargs))
+    return out
+
+
+def _steps_read(value: Any) -> list[int]:
+    if isinstance(value, list):
+        return [j for v in value for j in _steps_read(v)]
+    if isinstance(value, dict):
+        if len(value) == 1 and isinstance(value.get("step"), int):
+            return [value["step"]]
+        return [j for v in value.values() for j in _steps_read(v)]
+    return []
+
+
+def _cone(grad: Node) -> set[Node]:
+    """`grad` and, walking back in graph order (so a node's users are all decided before it), each node
+    whose every user is in: what backward computes only for this gradient. A multi-output op behind a
+    getitem comes in even with other users (pinned: the graph still runs it for its other outputs, so
+    its own inputs stay alive there and are kept as operands, never computed again)."""
+    cone, pinned = {grad}, set()
+    nodes = list(grad.graph.nodes)
+    for node in reversed(nodes[: nodes.index(grad)]):
+        if node.op != "call_function" or not node.users:
+            continue
+        if all(u in cone and u not in pinned for u in node.users):
+            cone.add(node)
+        elif any(u in cone and u not in pinned and u.target is operator.getitem for u in node.users):
+            cone.add(node)
+            pinned.add(node)
+    for node in cone:
+        if not _rerunnable(node):
+            raise NotRerunnable(f"{node.target} cannot be run again from a recipe")
+    return cone
+
+
+def _rerunnable(node: Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def is_view_node(node: Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
 def _view(node: Node, operands: list[Node]) -> tuple[str, list[Any], dict[str, Any]]:
     if not isinstance(node.target, torch._ops.OpOverload):
         raise NotRerunnable(f"the view {node.target} is not an op")
     return str(node.target), _encode(list(node.args[1:]), operands), _encode(dict(node.kwargs), operands)
 
 
-def _encode(value: Any, operands: list[Node]) -> Any:
-    """Tensor nodes -> {"operand": i} (appended to `operands`); constants as JSON values."""
+def _encode(value: Any, operands: list[Node], steps: dict[Node, int] | None = None) -> Any:
+    """Tensor nodes -> {"operand": i} (appended to `operands`), or {"step": j} for a node computed by
+    step j of a program (`steps`); constants as JSON values."""
+    if isinstance(value, Node) and steps is not None and value in steps:
+        return {"step": steps[value]}
     if isinstance(value, Node):
         if not isinstance(value.meta.get("val"), torch.Tensor):
             raise NotRerunnable(f"argument {value.name} is not a tensor (a symbolic size?)")
@@ -101,25 +241,41 @@ def _encode(value: Any, operands: list[Node]) -> Any:
             operands.append(value)
         return {"operand": operands.index(value)}
     if isinstance(value, (list, tuple)):
-        return [_encode(v, operands) for v in value]
+        return [_encode(v, operands, steps) for v in value]
     if isinstance(value, dict):
-        return {k: _encode(v, operands) for k, v in value.items()}
+        return {k: _encode(v, operands, steps) for k, v in value.items()}
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise NotRerunnable(f"argument {value!r} of type {type(value).__name__} has no recipe form")
 
 
-def _decode(value: Any, operands: Sequence[Tensor]) -> Any:
+_CONSTANTS = {"dtype": torch, "layout": torch, "memory_format": torch}
+
+
+def _decode(value: Any, operands: Sequence[Tensor], values: Sequence[Any]) -> Any:
     if isinstance(value, list):
-        return [_decode(v, operands) for v in value]
+        return [_decode(v, operands, values) for v in value]
     if isinstance(value, dict):
-        if "operand" in value and len(value) == 1:
-            return operands[value["operand"]]
-        if "dtype" in value and len(value) == 1:
-            return getattr(torch, value["dtype"])
-        return {k: _decode(v, operands) for k, v in value.items()}
+        if len(value) == 1:
+            ((key, item),) = value.items()
+            # (a kwargs dict {"dtype": {"dtype": "bfloat16"}} holds an encoded value, not a name)
+            if key == "operand" and isinstance(item, int):
+                return operands[item]
+            if key == "step" and isinstance(item, int):
+                return values[item]
+            if key in _CONSTANTS and isinstance(item, str):
+                return getattr(torch, item)
+            if key == "device" and isinstance(item, str):
+                return torch.device(item)
+        return {k: _decode(v, operands, values) for k, v in value.items()}
     return value
 
 

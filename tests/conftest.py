@@ -98,9 +98,9 @@ def gpu_device(request: pytest.FixtureRequest) -> torch.device:
 def deferred_saving_lost(monkeypatch: pytest.MonkeyPatch):
     """For a test of the deferred schedule's arithmetic where its saving is lost: a tiny model with many
     tokens per step (its expert tensors cross over: a step's kept operands outgrow them), or experts the
-    eager capture cannot defer (the reference model's, kept whole). The suite's "raise" would refuse
-    the run (tests/test_saving_guard.py tests that refusal); here it trains with the saving guard's
-    warning, which is let through."""
+    eager capture cannot defer (kept whole: tests/test_deferred_paths.py names them). The suite's
+    "raise" would refuse the run (tests/test_saving_guard.py tests that refusal); here it trains with
+    the saving guard's warning, which is let through."""
     monkeypatch.setenv(ON_SAVING_LOST_ENV, "warn")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"sonar: schedule='deferred' ke", category=UserWarning)

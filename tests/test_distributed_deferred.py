@@ -79,12 +79,11 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
         assert (
             run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
         )
-        if case[2] == "eager":  # Sonar's own grouped-GEMM op: the eager capture keeps its gradient whole
-            assert run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == 4
-        else:  # the compiled blocks keep the operands
-            assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
-            assert run["graphs"] >= 1 and run["expert_grads_alive"] == 0
-            assert run["held"] == len(run["crossed_over"])
+        # Sonar's own grouped-GEMM op: the eager capture keeps its operands, as the compiled blocks do
+        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+        assert run["expert_grads_alive"] == 0 and run["held"] == len(run["crossed_over"])
+        if case[2] != "eager":
+            assert run["graphs"] >= 1
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
     assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
 

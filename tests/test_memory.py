@@ -24,7 +24,11 @@ from sonar_fx.models import build_model
 from helpers import CFG, batches
 from saving_cases import PATHS, measure_path
 
-SLOW = ("deferred_user_compile", "batched_mm_aot_eager", "deferred_batched_mm_aot_eager")
+SLOW = (
+    "deferred_user_compile",
+    "batched_mm_aot_eager",
+    "deferred_batched_mm_aot_eager",
+)
 """Compiled paths whose warning and refusal tests/test_saving_guard.py also checks (2-3 s each on a
 quiet machine, 6-8 s loaded); the deferred schedule's compiled claim stays in the fast tier."""
 
@@ -147,7 +151,9 @@ def test_the_report_is_what_the_allocator_saw(name):
     assert r.allocator_peak == r.report["expert_grad_bytes"]["measured_peak"] + path.scratch * r.largest, r
     if path.saves:
         assert r.report["saving_lost_bytes"] == 0 and r.warnings == []
-        assert r.allocator_peak == r.largest and r.saved >= 0.9 * r.predicted, r  # one at a time
+        # one at a time (two while a deferred step sums several micro-batches' pieces of one tensor)
+        pieces = 2 if path.schedule == "deferred" and path.accum > 1 else 1
+        assert r.allocator_peak == pieces * r.largest and r.saved >= 0.9 * r.predicted, r
     else:
         assert r.report["saving_lost_bytes"] > r.predicted / 2 and len(r.warnings) == 1, r
         assert r.saved < r.predicted / 2, r

@@ -374,31 +374,47 @@ def test_deferred_crossover_warns_once_with_the_sizes_and_raise_refuses_before_a
     assert _unchanged(refused, before)
 
 
-def test_deferred_gradients_kept_whole_warn_once_naming_the_experts_implementation():
-    """Eager batched_mm experts never call grouped_mm on the weight: the capture keeps nothing, autograd
-    computes every gradient whole, and all wait for step(). Counted alive and lost, warned once at the
-    step with all of them named; refused under "raise" in the backward, before any weight moves."""
+def _penalised_step(model):
+    """A step whose loss also reads every expert weight outside its GEMM (a penalty on it): autograd
+    computes that part of each expert gradient itself, so the gradient arrives whole."""
+
+    def step(batch):
+        penalty = sum(p.square().sum() for p in model.sonar.expert_group["params"])
+        (model(**batch).loss + 1e-3 * penalty).backward()
+        model.sonar.step()
+        model.sonar.zero_grad()
+
+    return step
+
+
+def test_deferred_gradients_kept_whole_warn_once_naming_the_cause():
+    """Eager experts whose weight is also read outside its GEMM (a penalty): the capture keeps the GEMM's
+    operands, autograd computes the penalty's part whole, and every such gradient waits for step().
+    Counted alive and lost, warned once at the step with all of them named; refused under "raise" in
+    the backward, before any weight moves. (Every experts implementation's GEMM is captured:
+    tests/test_deferred_paths.py.)"""
     model = sonar_fx.compile(
-        _batched_mm_model(), CFG, compiler="eager", schedule="deferred", on_saving_lost="warn"
+        build_model("tiny-olmoe", seed=0), CFG, compiler="eager", schedule="deferred", on_saving_lost="warn"
     )
-    with pytest.warns(
-        UserWarning, match=r"kept 4 expert gradient\(s\) whole.*grouped GEMM.*Fix: model\.set_exp"
-    ):
-        _sonar_step(model)(batches(1)[0])
+    with pytest.warns(UserWarning, match=r"kept 4 expert gradient\(s\) whole.*outside its GEMM.*Fix: "):
+        _penalised_step(model)(batches(1)[0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _sonar_step(model)(batches(1)[0])
+        _penalised_step(model)(batches(1)[0])
     report = model.sonar.report()
     bounds = ExpertGradBytes.of(model.sonar.expert_layers)
     assert (
         report["saving_lost_by_cause"] == {"kept whole": bounds.total}
         and report["saving_lost_bytes"] == bounds.total
     )
-    assert report["expert_grad_bytes"]["measured_peak"] == bounds.total
-    refused = sonar_fx.compile(_batched_mm_model(), CFG, compiler="eager", schedule="deferred")
+    assert report["deferred"]["kept_whole"] == sorted(
+        model.sonar.expert_name(p) for p in model.sonar.expert_group["params"]
+    )
+    refused = sonar_fx.compile(build_model("tiny-olmoe", seed=0), CFG, compiler="eager", schedule="deferred")
     before = _state(refused)
     with pytest.raises(SavingLostError, match=r"whole until step\(\)"):
-        refused(**batches(1)[0]).loss.backward()
+        penalty = sum(p.square().sum() for p in refused.sonar.expert_group["params"])
+        (refused(**batches(1)[0]).loss + penalty).backward()
     assert _unchanged(refused, before)
 
 

@@ -1,15 +1,12 @@
-"""The deferred schedule without a compiler: the experts' grouped GEMMs keep their operands, eagerly.
+"""The deferred schedule without a compiler: the experts' GEMMs keep their operands, eagerly.
 
-While an experts module runs its forward (a pre-hook enters `DeferGemms`, a hook leaves it), a
-grouped GEMM whose weight operand is an owned expert tensor (or its transpose) runs on the DETACHED
-weight, so autograd computes the input gradient exactly as before and no weight gradient at all; a
-node after the GEMM receives dy when backward reaches it and hands the operands of autograd's weight
-gradient to the owner, with its recipe: `_grouped_mm(x^T, dy, offs)` for a weight used as stored, and
-`_grouped_mm(dy^T, x, offs)` for a weight used transposed (`x @ W[e]^T`), so that the gradient comes
-out in the parameter's own layout and the step never copies it to another (one gradient alive, not
-two). Any other use of an expert weight (a gather of expert rows for
-bmm, a per-expert loop) is left to autograd: its gradient arrives whole in `.grad` and the deferred
-step says it kept it. Never active under dynamo: compiled graphs get the graph pass instead.
+While an experts module runs its forward (a pre-hook enters `DeferGemms`, a hook leaves it), a GEMM
+whose weight operand is an owned expert tensor, a view of it, or rows or a slice read off it (each
+path: `defer_eager_paths`) runs on the DETACHED weight, so autograd computes the input gradient exactly
+as before and no weight gradient at all; a node after the GEMM receives dy when backward reaches it and
+hands the operands of autograd's weight gradient to the owner, with the recipe that computes it again.
+Any other use of an expert weight is left to autograd: its gradient arrives whole in `.grad` and the
+deferred step says it kept it. Never active under dynamo: compiled graphs get the graph pass instead.
 """
 
 from __future__ import annotations
@@ -22,73 +19,69 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from sonar_fx.passes.recipe import Recipe
+from sonar_fx.optim import defer_eager_paths as paths
 from sonar_fx.runtime.registry import owner_of
 
 _GROUPED_MM = {torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm)}
 
 
-_RECIPE = Recipe(
-    "aten._grouped_mm.default", [{"operand": 0}, {"operand": 1}], {"offs": {"operand": 2}}, None, []
-).to_json()
-"""`_grouped_mm(a, b, offs)` over the kept operands [a, b, offs]: (x^T, dy) or, transposed, (dy^T, x)."""
+def _captures() -> dict[Any, Callable[..., paths.Capture | None]]:
+    """The calls the capture knows, each with its path."""
+    import sonar_fx.experts.grouped  # noqa: F401  (registers the reference kernel's op)
+
+    table: dict[Any, Callable[..., paths.Capture | None]] = dict.fromkeys(
+        _GROUPED_MM, paths.capture_grouped_mm
+    )
+    table[torch.ops.sonar_fx.grouped_mm.default] = paths.capture_sonar_grouped_mm
+    table.update(dict.fromkeys((torch.bmm, Tensor.bmm), paths.capture_gathered_bmm))
+    table[torch.nn.functional.linear] = paths.capture_slice_linear
+    return table
+
+
+_CAPTURES = _captures()
 
 
 class DeferGemms(TorchFunctionMode):
-    """Grouped GEMMs on expert weights keep their operands instead of computing the weight gradient."""
+    """GEMMs on expert weights keep their operands instead of computing the weight gradient."""
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func in _GROUPED_MM and torch.is_grad_enabled() and len(args) >= 2:
-            deferred = _defer(func, args, kwargs)
-            if deferred is not None:
-                return deferred
+        capture = _CAPTURES.get(func)
+        if capture is not None and torch.is_grad_enabled() and len(args) >= 2:
+            found = capture(func, args, kwargs)
+            if found is not None:
+                # `param` is an input of the keeper: its output needs a gradient (so dy comes) even where
+                # nothing upstream does (a frozen layer before the experts), and its node has the edge to
+                # `param` by which the engine says whether this backward accumulates into it (`inputs=`,
+                # `autograd.grad`).
+                return _KeepOperands.apply(found.output, found.param, found.keep, *found.saved)
         return func(*args, **kwargs)
 
 
-def _defer(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Tensor | None:
-    x, w = args[0], args[1]
-    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-    if not isinstance(w, Tensor) or not isinstance(x, Tensor) or offs is None or x.dim() != 2:
-        return None
-    param = w._base if w._base is not None else w
-    owner = owner_of(param)
-    if owner is None or getattr(owner, "schedule", None) != "deferred" or not param.requires_grad:
-        return None
-    if w is param:
-        transposed = False
-    elif w.shape == param.transpose(-2, -1).shape and w.stride() == param.transpose(-2, -1).stride():
-        transposed = True
-    else:
-        return None  # another view of the weight: autograd keeps its gradient whole
-    y = func(x, w.detach(), *args[2:], **kwargs)
-    # `param` is an input of the capture: its output needs a gradient (so dy comes) even where nothing
-    # upstream does (a frozen layer before the experts), and its node has the edge to `param` by which
-    # the engine says whether this backward accumulates into it (`inputs=`, `autograd.grad`).
-    # x detached: the kept operand never holds the autograd graph upstream of x alive.
-    return _KeepOperands.apply(y, x.detach(), offs, owner, param, transposed)
-
-
 class _KeepOperands(torch.autograd.Function):
-    """Identity on the GEMM's output whose backward hands the weight gradient's operands to the owner:
-    (x^T, dy, offs), or (dy^T, x, offs) for a transposed weight (both views, never copies).
+    """Identity on the GEMM's output whose backward hands the weight gradient's operands to the owner
+    (`Capture.operands` of dy and the saved tensors: views, never copies).
 
-    The operands are the node's saved tensors, not a hook's closure: autograd frees them when the
-    backward ends (unless the graph is retained, where a second backward keeps them again), so a loop
-    that holds `loss` through `step()` does not hold every layer's inputs with it."""
+    The saved tensors are the node's, not a hook's closure: autograd frees them when the backward ends
+    (unless the graph is retained, where a second backward keeps them again), so a loop that holds
+    `loss` through `step()` does not hold every layer's inputs with it."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, x: Tensor, offs: Tensor, owner: Any, param: Tensor, transposed: bool):
-        ctx.save_for_backward(x, offs)
-        ctx.owner, ctx.param, ctx.transposed = owner, param, transposed
-        return y.view_as(y)
+    def forward(ctx: Any, y: Tensor, param: Tensor, keep: paths.Keep, *saved: Tensor):
+        ctx.save_for_backward(*saved)
+        ctx.param, ctx.keep = param, keep
+        # Not `y` itself (an input returned as-is is a view, and experts add their bias in place on
+        # the GEMM's output): a new tensor on y's storage, whose gradient backward hands on to y.
+        return y.detach()
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, offs = ctx.saved_tensors
-        operands = [dy.t(), x, offs] if ctx.transposed else [x.t(), dy, offs]
-        ctx.owner.defer_expert_(ctx.param, _RECIPE, operands)
-        return dy, None, None, None, None, None
+        saved = ctx.saved_tensors  # unpacked once: checkpointing refuses a second unpack
+        keep: paths.Keep = ctx.keep
+        owner = owner_of(ctx.param)
+        assert owner is not None, "an expert tensor captured in forward lost its optimizer before backward"
+        owner.defer_expert_(ctx.param, keep.recipe, keep.operands(dy, saved))
+        return (dy, None, None, *(None for _ in saved))
 
 
 def register_defer_hooks(modules: Iterable[nn.Module]) -> list[RemovableHandle]:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.passes.recipe import Recipe
+from sonar_fx.passes.recipe import Program, load_recipe
 from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
@@ -56,12 +56,17 @@ class _Kept:
     operands: list[Tensor | _WeightView]
     nbytes: int
 
+    def into(self) -> tuple[int, int] | None:
+        """(dim, index) when this contribution is the gradient of one slice of the parameter alone."""
+        recipe = load_recipe(self.recipe)
+        return recipe.into if isinstance(recipe, Program) else None
+
     def gradient(self, param: Tensor) -> Tensor:
         ops = [
             param.as_strided(o.size, o.stride, o.offset) if isinstance(o, _WeightView) else o
             for o in self.operands
         ]
-        return Recipe.from_json(self.recipe).run(ops)
+        return load_recipe(self.recipe).run(ops)
 
 
 Entry = _Kept | Tensor
@@ -99,20 +104,35 @@ class _Pending:
             self.closed = [[total]] if total is not None else []
 
 
+def _pieces(group: list[Entry]) -> int:
+    """Gradient-sized tensors `_sum` makes of `group`: one per whole entry, one for all its slices."""
+    sliced = [isinstance(e, _Kept) and e.into() is not None for e in group]
+    return sliced.count(False) + any(sliced)
+
+
 def _entry_bytes(entry: Entry) -> int:
     return entry.nbytes if isinstance(entry, _Kept) else entry.untyped_storage().nbytes()
 
 
 def _sum(group: list[Entry], param: Tensor, *, own: bool) -> Tensor | None:
     """One backward's contributions summed in arrival order: the first as is, each next added in
-    place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written."""
+    place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written. A slice's
+    contribution is added into its slice of the sum (a zero-filled one if it comes first): autograd adds
+    it padded with zeros, and x + 0 is x (a -0.0 may come out +0.0, equal values no update tells apart)."""
     total = None
     for entry in group:
+        into = entry.into() if isinstance(entry, _Kept) else None
+        if isinstance(entry, _Kept) and into is not None:  # one slice's gradient: into the sum's slice
+            if total is None:
+                total = param.new_zeros(param.shape)  # SelectBackward's zeros: contiguous, param's dtype
+            total.select(*into).add_(entry.gradient(param))
+            continue
         grad = entry.gradient(param) if isinstance(entry, _Kept) else entry
         if total is None:
             total = grad if own or isinstance(entry, _Kept) else grad.clone()
         else:
             total.add_(grad)
+        del grad  # freed before the next piece is computed: the sum and one piece alive, not two
     return total
 
 
@@ -271,7 +291,7 @@ class DeferredGrads:
     def pieces(self, param: Tensor) -> int:
         """How many gradient-sized pieces `gradient(param)` sums (kept contributions and `.grad`)."""
         pending = self.kept.get(id(param))
-        kept = sum(len(g) for g in pending.groups()) if pending is not None else 0
+        kept = sum(_pieces(g) for g in pending.groups()) if pending is not None else 0
         return kept + (param.grad is not None)
 
     def held(self, param: Tensor) -> Tensor | None:

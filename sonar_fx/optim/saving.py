@@ -149,8 +149,8 @@ class SavingGuard:
         fix = (
             "fewer tokens per step (the operands grow with the routed tokens, the gradient does not); an "
             "experts implementation whose weight-gradient operands are per token (grouped_mm: "
-            "model.set_experts_implementation('grouped_mm'); batched_mm keeps a copy of every gathered "
-            "expert weight); or schedule='in_backward' (exact for a dense-only clip)."
+            "model.set_experts_implementation('grouped_mm')); or schedule='in_backward' (exact for a "
+            "dense-only clip)."
         )
         self._lose("crossover", message, fix, [g.name for g in crossed], warn_always=False)
 
@@ -164,14 +164,14 @@ class SavingGuard:
         whole_bytes = sum(g.nbytes for g in self.lost.values() if g.kind == "kept whole")
         if compiler == "eager":
             cause = (
-                "the experts' forward did not compute them with a grouped GEMM on the expert weight, which "
-                "is what the eager capture keeps operands of (experts that gather or index the weight do "
-                "not: transformers' batched_mm and eager experts, a per-expert loop), or the weight is "
-                "also read outside its GEMM (a penalty on it)"
+                "the weight is also read outside its GEMM (a penalty on it), or the experts' forward "
+                "computes them with a GEMM the eager capture does not know (it keeps the operands of "
+                "grouped_mm on the weight, bmm on its gathered rows, linear on one expert's slice and the "
+                "reference kernel's grouped GEMM)"
             )
             fix = (
-                "model.set_experts_implementation('grouped_mm') (the default), or compile "
-                "(compiler='aot_eager' or 'inductor'), whose pass defers more producers."
+                "keep the weight's reads inside its GEMM, or use one of transformers' experts "
+                "implementations (grouped_mm, batched_mm, eager)."
             )
         else:
             cause = (

@@ -1,0 +1,242 @@
+"""The eager deferred capture's paths: for each way an experts module reads an expert weight in a GEMM,
+how to run the GEMM on the detached weight and which operands and recipe give autograd's weight gradient
+again at `step()`.
+
+Each `capture_*` takes a call the capture mode saw (`defer_eager.DeferGemms`) and returns a `Capture`,
+or None where the call is not one it knows (autograd then computes that gradient, whole, as before). A
+recipe repeats autograd's own derivative ops on the same operands (torch's derivatives.yaml), so the
+gradient is bitwise autograd's:
+- `torch._grouped_mm` on the weight or its transpose (transformers' grouped_mm): one grouped GEMM;
+- `sonar_fx::grouped_mm` (the reference model's kernel): its backward op, weight output;
+- `bmm` on gathered rows `W[ids]` (transformers' batched_mm): `dy.bmm(x^T)` (or `x^T.bmm(dy)` for a
+  transposed layout), then IndexBackward's zero-filled, accumulating `_index_put_impl_` in slot order;
+  `bmm` on the batched weight itself (Llama-4's experts): the bmm derivative alone;
+- `linear` on one expert's slice `W[e]` (transformers' eager loop): `dy^T.mm(x)` (mm's weight gradient
+  for the column-major `W[e].t()`), a contribution to that slice alone (`Program.into`). Autograd's
+  SelectBackward pads it with zeros and its input buffer sums the padded slices in arrival order; the
+  store adds each into its slice of one zero-filled sum instead (`deferred._sum`): the same values, as
+  off its slice each contribution is zero and 0 + x is x, without a whole tensor per expert.
+Pure torch over what the call hands over; never updates a weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from sonar_fx.passes.recipe import Program, Recipe
+from sonar_fx.runtime.registry import owner_of
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What backward hands the owner for one captured GEMM; holds no tensor (the autograd node saves
+    them, and frees them when its backward ends)."""
+
+    recipe: str
+    operands: Callable[[Tensor, tuple[Tensor, ...]], list[Tensor]]
+    """(dy, saved) -> the recipe's operands."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A GEMM run on the detached expert weight, and what backward must keep for its weight gradient."""
+
+    output: Tensor
+    """The GEMM's result (no autograd edge to the weight)."""
+    param: Tensor
+    saved: tuple[Tensor, ...]
+    """Forward tensors the recipe reads (detached: never the graph upstream of them)."""
+    keep: Keep
+
+
+def deferred_param(w: Tensor) -> Any:
+    """(param, owner) when `w` is an expert parameter (or its view) trained by the deferred schedule."""
+    param = w._base if w._base is not None else w
+    owner = owner_of(param)
+    if owner is None or getattr(owner, "schedule", None) != "deferred" or not param.requires_grad:
+        return None
+    return param, owner
+
+
+def _gathered_from(w: Tensor, node: str) -> tuple[Tensor, Any] | None:
+    """(param, its grad_fn) when `w` was read straight off a deferred expert parameter by `node`
+    (IndexBackward0: `W[ids]`, SelectBackward0: `W[e]`)."""
+    fn = w.grad_fn
+    if fn is None or fn.name() != node or len(fn.next_functions) != 1:
+        return None
+    acc = fn.next_functions[0][0]
+    param = getattr(acc, "variable", None)
+    if param is None or deferred_param(param) is None or param._base is not None:
+        return None
+    return param, fn
+
+
+# ------------------------------------------------------------------ torch._grouped_mm (transformers)
+
+_GROUPED_MM_RECIPE = Recipe(
+    "aten._grouped_mm.default", [{"operand": 0}, {"operand": 1}], {"offs": {"operand": 2}}, None, []
+).to_json()
+"""`_grouped_mm(a, b, offs)` over the kept operands [a, b, offs]: (x^T, dy) or, transposed, (dy^T, x)."""
+
+
+def capture_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
+    x, w = args[0], args[1]
+    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+    if not isinstance(w, Tensor) or not isinstance(x, Tensor) or offs is None or x.dim() != 2:
+        return None
+    found = deferred_param(w)
+    if found is None:
+        return None
+    param = found[0]
+    if w is param:
+        transposed = False
+    elif w.shape == param.transpose(-2, -1).shape and w.stride() == param.transpose(-2, -1).stride():
+        transposed = True
+    else:
+        return None  # another view of the weight: autograd keeps its gradient whole
+    y = func(x, w.detach(), *args[2:], **kwargs)
+    # (dy^T, x) for a transposed weight: the gradient comes out in the parameter's own layout, so the
+    # step never copies it to another (one gradient alive, not two).
+    operands = _transposed_operands if transposed else _plain_operands
+    return Capture(y, param, (x.detach(), offs), Keep(_GROUPED_MM_RECIPE, operands))
+
+
+def _plain_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    x, offs = saved
+    return [x.t(), dy, offs]
+
+
+def _transposed_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    x, offs = saved
+    return [dy.t(), x, offs]
+
+
+# ------------------------------------------------------- sonar_fx::grouped_mm (the reference model)
+
+_SONAR_GROUPED_MM_RECIPE = Recipe(
+    "sonar_fx.grouped_mm_backward.default", [{"operand": i} for i in range(4)], {}, 1, []
+).to_json()
+"""The reference kernel's backward op over [dy, x, w, offs], its weight output (as its autograd runs it)."""
+
+
+def capture_sonar_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
+    if len(args) != 3 or kwargs or not all(isinstance(t, Tensor) for t in args):
+        return None
+    x, w, offs = args
+    found = deferred_param(w)
+    if found is None:
+        return None
+    # The weight as the op read it (a view of the parameter): the store keeps it as a view, not a copy.
+    saved = (x.detach(), w.detach(), offs)
+    return Capture(
+        func(x, w.detach(), offs), found[0], saved, Keep(_SONAR_GROUPED_MM_RECIPE, _kernel_operands)
+    )
+
+
+def _kernel_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    x, w, offs = saved
+    return [dy.contiguous(), x, w, offs]  # the kernel's backward takes dy contiguous
+
+
+# ---------------------------------------------------------------- bmm on gathered rows (batched_mm)
+
+
+def capture_gathered_bmm(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
+    if len(args) != 2 or kwargs:
+        return None
+    a, b = args
+    for weight_first, w in ((True, a), (False, b)):
+        direct = deferred_param(w) if isinstance(w, Tensor) and w._base is None else None
+        if direct is not None:  # the batched weight itself (Llama-4: one bmm over every expert)
+            other = b if weight_first else a
+            y = func(a.detach(), b) if weight_first else func(a, b.detach())
+            recipe = _bmm_program(weight_first).to_json()
+            return Capture(
+                y, direct[0], (other.detach(),), Keep(recipe, _dy_other if weight_first else _other_dy)
+            )
+        found = _gathered_from(w, "IndexBackward0") if isinstance(w, Tensor) else None
+        if found is None:
+            continue
+        param, fn = found
+        indices = fn._saved_indices
+        if len(indices) != 1 or not isinstance(indices[0], Tensor):
+            return None  # a gather over several dims: left to autograd
+        other = b if weight_first else a
+        y = func(a.detach(), b) if weight_first else func(a, b.detach())
+        recipe = _gather_program(tuple(param.shape), weight_first).to_json()
+        operands = _dy_other_ids if weight_first else _other_dy_ids
+        return Capture(y, param, (other.detach(), indices[0]), Keep(recipe, operands))
+    return None
+
+
+def _bmm_program(weight_first: bool) -> Program:
+    """bmm's derivative for its weight argument (derivatives.yaml): operands [dy, other] (weight first:
+    `dy.bmm(other^T)`) or [other, dy] (`other^T.bmm(dy)`)."""
+    Step = tuple[str, list[Any], dict[str, Any]]
+    if weight_first:
+        transpose: Step = ("aten.transpose.int", [{"operand": 1}, 1, 2], {})
+        gemm: Step = ("aten.bmm.default", [{"operand": 0}, {"step": 0}], {})
+    else:
+        transpose = ("aten.transpose.int", [{"operand": 0}, 1, 2], {})
+        gemm = ("aten.bmm.default", [{"step": 0}, {"operand": 1}], {})
+    return Program([transpose, gemm])
+
+
+def _dy_other(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    return [dy, saved[0]]
+
+
+def _other_dy(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    return [saved[0], dy]
+
+
+def _gather_program(shape: tuple[int, ...], weight_first: bool) -> Program:
+    """bmm's derivative for its weight argument (`_bmm_program`), then IndexBackward: operands
+    [dy, other, ids] or [other, dy, ids]."""
+    steps = list(_bmm_program(weight_first).steps)
+    steps.append(("aten.new_zeros.default", [{"step": 1}, list(shape)], {}))
+    # IndexBackward0: accumulate=True, unsafe=True, in slot order (serial on CPU, as autograd runs it)
+    steps.append(
+        ("aten._index_put_impl_.default", [{"step": 2}, [{"operand": 2}], {"step": 1}, True, True], {})
+    )
+    return Program(steps, result=2)
+
+
+def _dy_other_ids(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    other, ids = saved
+    return [dy, other, ids]
+
+
+def _other_dy_ids(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    other, ids = saved
+    return [other, dy, ids]
+
+
+# --------------------------------------------------------- linear on one expert's slice (eager loop)
+
+
+def capture_slice_linear(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
+    x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or bias is not None or x.dim() != 2:
+        return None
+    found = _gathered_from(w, "SelectBackward0")
+    if found is None or w.dim() != 2 or w.stride(1) != 1 or w.stride(0) != w.shape[1]:
+        return None  # a slice in another layout takes another mm kernel path: left to autograd
+    param, fn = found
+    dim, index = int(fn._saved_dim), int(fn._saved_index)
+    dim = dim % param.dim()
+    steps: list[tuple[str, list[Any], dict[str, Any]]] = [
+        ("aten.t.default", [{"operand": 0}], {}),
+        ("aten.mm.default", [{"step": 0}, {"operand": 1}], {}),
+    ]
+    recipe = Program(steps, into=(dim, index)).to_json()
+    return Capture(func(x, w.detach()), param, (x.detach(),), Keep(recipe, _dy_x))
+
+
+def _dy_x(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
+    return [dy, saved[0]]
