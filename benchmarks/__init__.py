@@ -3,8 +3,9 @@
 methods       paper Table 1: every method x execution mode (memory, step time, held-out loss);
               --granularity (Table 3: batched vs per-expert updates), --batch-sweep (section 5.5: the
               saving and speedup as the batch grows), --accumulation (Table 8, and the deferred
-              schedule), --timeline (live memory through one step), --profile (where the update's time
-              goes, beside the same update done the plain way)
+              schedule), --deferred (docs/modes.md: which path saves, and at what time, under the clip
+              over every parameter), --timeline (live memory through one step), --profile (where the
+              update's time goes, beside the same update done the plain way)
 compile       compile time with and without the pass, regional vs whole-model; --endurance (2,000 steps:
               RSS flat, no recompiles, steady step time)
 keep_budget   the deferred step's keep budget: step time against memory at budget 0, 1/4, 1/2, all

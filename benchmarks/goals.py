@@ -41,6 +41,8 @@ GOALS: dict[str, Target] = {
     "granularity.per_expert": _x(">", 1.00, " (paper, GPU: +20% OLMoE, +72% Granite)"),
     # accumulation (paper Table 8) and the deferred schedule: time by (clip, A), memory at A=1 and 4
     "accumulation.deferred_all_1": _x("<=", 1.10),
+    # eager: no compiler fuses the step's GEMMs and updates, SonarTrainer's default all the same
+    "accumulation.deferred_all_1_eager": _x("<=", 1.20),
     "accumulation.deferred_dense_4": _x("<=", 1.03),
     "accumulation.deferred_all_4": _x("<=", 1.10),
     "accumulation.deferred_memory": Target(0.9, ">=", ">= 90% of expected"),

@@ -2,11 +2,13 @@
 
 For: training `tiny-olmoe` (resized, see `DEMO_SHAPE`) on the built-in instruction set under standard
 training (global clip), standard_no_expert_clip (Sonar's exact twin), Sonar with eager hooks, Sonar's
-hooks on a compiled model, the compiled pass and the compiled twin; then printing the paper-style
-table, checking that Sonar's expert weights are bitwise equal to its twin's, and writing demo.json and
-demo.png. The arms are measured by `sonar_fx.measure`, all alive at once: warm-up and one profiled
-memory step each, then timed rounds in which every arm takes one step, in rotating order, so a burst
-of load on a shared machine lands on every arm alike and step-time ratios are paired per round.
+hooks on a compiled model, the compiled pass and the compiled twin; and the ordinary recipe (one clip
+over every parameter, each batch as 2 micro-batches) under standard training and under Sonar's deferred
+schedule; then printing the paper-style table, checking that each Sonar arm's expert weights are
+bitwise equal to its twin's (`TWINS`), and writing demo.json and demo.png. The arms are measured by
+`sonar_fx.measure`, all alive at once: warm-up and one profiled memory step each, then timed rounds in
+which every arm takes one step, in rotating order, so a burst of load on a shared machine lands on
+every arm alike and step-time ratios are paired per round.
 Never: claim a GPU number (CPU timings are ratios within one run), or drive training through anything
 but `sonar_fx.methods.build_method` and an LR schedule.
 """
@@ -26,7 +28,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx.api import Compiler
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import AdamWConfig, ExpertClip
 from sonar_fx.environment import Environment
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import ArmResult, fmt_ratio, measure_arm, ratio, run_rounds, side_by_side
@@ -53,6 +55,12 @@ class Arm:
     method: str
     execution: Execution = field(default_factory=Execution)
     """Compiled arms run under the demo's `--compiler` (`under`), whatever compiler is written here."""
+    micro_batches: int = 1
+    """Each step's batch taken as this many micro-batches, their gradients accumulated (loss / count)."""
+    expert_clip: ExpertClip = None
+    """The config's: "global" has Sonar's deferred step clip by the norm over every parameter."""
+    baseline: str = "standard"
+    """The arm its memory and time are compared with (the deferred arm: standard with its recipe)."""
 
     def under(self, compiler: Compiler) -> Arm:
         """This arm with its compiled execution on `compiler` (eager arms stay eager)."""
@@ -70,6 +78,11 @@ ARMS = (
         Execution(compiler="inductor", sonar_pass=False)),
     Arm("no_expert_clip_compiled", "standard_no_expert_clip, compiled", "standard_no_expert_clip", _COMPILED),
     Arm("sonar_compiled", "sonar, compiled pass", "sonar", _COMPILED),
+    # The ordinary recipe: a clip over every parameter and gradient accumulation, kept exact by the
+    # deferred schedule (eager: SonarTrainer's default, and no compile time).
+    Arm("standard_accum", "standard (global clip), 2 micro-batches", "standard", micro_batches=2),
+    Arm("sonar_deferred", "sonar deferred (global clip), 2 micro-batches", "sonar_deferred", micro_batches=2,
+        expert_clip="global", baseline="standard_accum"),
 )  # fmt: skip
 BASELINE = "standard"
 # (sonar arm, its exact twin): same data, seed and init, so expert weights must be bitwise equal.
@@ -77,6 +90,7 @@ TWINS = (
     ("sonar_eager", "no_expert_clip"),
     ("sonar_hooks_compiled", "no_expert_clip_compiled"),
     ("sonar_compiled", "no_expert_clip_compiled"),
+    ("sonar_deferred", "standard_accum"),
 )
 MEMORY_LEGEND = {
     "state_mib": "weights + gradients still alive + optimizer states at the start of the measured step",
@@ -135,6 +149,12 @@ class DemoConfig:
         unknown = set(self.arms) - {arm.key for arm in ARMS}
         if unknown:
             raise DemoConfigError(f"unknown arms {sorted(unknown)}: pick from {[a.key for a in ARMS]}")
+        split = max(arm.micro_batches for arm in ARMS if arm.key in self.arms)
+        if self.batch_size % split:
+            raise DemoConfigError(
+                f"batch_size={self.batch_size}: an arm takes each batch as {split} micro-batches; use a "
+                f"multiple of {split}"
+            )
 
 
 @dataclass
@@ -151,7 +171,9 @@ class _Run:
     state_bytes: int = 0
 
     def step(self, batch: Batch) -> None:
-        loss = float(self.method.train_step(batch))  # float() synchronises: the time is the whole step
+        n = self.arm.micro_batches
+        micro = [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)] if n > 1 else batch
+        loss = float(self.method.train_step(micro))  # float() synchronises: the time is the whole step
         if not math.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss} at step {len(self.losses) + 1}")
         for sched in self.schedulers:
@@ -213,6 +235,7 @@ def _train(cfg: DemoConfig, started: float) -> dict[str, _Run]:
 def _build(cfg: DemoConfig, arm: Arm) -> _Run:
     model = build_model("tiny-olmoe", dtype=torch.float32, seed=cfg.seed, **cfg.model_overrides)
     opt = AdamWConfig(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=1.0)
+    opt = replace(opt, expert_clip=arm.expert_clip)
     method = build_method(arm.method, model, opt, execution=arm.execution)
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, shape) for o in method.optimizers]
@@ -282,19 +305,19 @@ def _twin_verdict(a: _Run, b: _Run) -> dict[str, Any]:
 
 
 def _report(cfg: DemoConfig, runs: dict[str, _Run], verdicts: list, wall_s: float) -> dict[str, Any]:
-    base = runs.get(BASELINE)
-    rows = [_row(cfg, run, base) for run in runs.values()]
-    headers = ["arm", "compiler", "state MiB", "step transient MiB", "step peak MiB", "vs standard",
-               "step ms", "× standard", "tokens/s", "held-out loss"]  # fmt: skip
+    rows = [_row(cfg, run, runs.get(run.arm.baseline)) for run in runs.values()]
+    headers = ["arm", "compiler", "state MiB", "step transient MiB", "step peak MiB", "vs baseline",
+               "step ms", "× baseline", "tokens/s", "held-out loss"]  # fmt: skip
     table = tabulate([r["cells"] for r in rows], headers=headers, disable_numparse=True)
     rss = process_peak_rss_bytes() / MiB
     notes = [
         "state = weights + optimizer states between steps; step transient = the most tensor bytes one step "
         "allocates above that (profiler allocator events, one step after warm-up); step peak = state + "
-        "step transient.",
+        "step transient. baseline: the deferred arm's is standard with its recipe (global clip, 2 "
+        "micro-batches), the run it equals bitwise; every other arm's is standard (global clip).",
         f"Not the same figure: the progress bar's process RSS high-water ({rss:.0f} MiB at the end) is the "
         "whole process with every arm alive at once.",
-        "step ms: median [IQR] of the timed rounds; × standard: median [IQR] of per-round paired ratios "
+        "step ms: median [IQR] of the timed rounds; × baseline: median [IQR] of per-round paired ratios "
         "(every arm steps once per round, in rotating order). CPU timings are ratios within one run on a "
         "shared machine, not GPU claims (under torch.compile, fp32 expert layers run transformers' "
         "per-expert fallback loop instead of a grouped GEMM).",
@@ -323,6 +346,7 @@ def _row(cfg: DemoConfig, run: _Run, base: _Run | None) -> dict[str, Any]:
     peak = run.state_bytes + r.peak_bytes
     data: dict[str, Any] = {
         "arm": arm.key, "label": arm.label, "method": arm.method, "compiler": compiler,
+        "micro_batches": arm.micro_batches, "expert_clip": arm.expert_clip, "baseline": arm.baseline,
         "sonar_pass": arm.execution.sonar_pass, "peak_mib": peak / MiB,
         "step_transient_mib": r.peak_bytes / MiB,
         "state_mib": run.state_bytes / MiB, "first_step_s": r.first_step_s,
@@ -354,6 +378,7 @@ def _chart(runs: dict[str, _Run], path: Path, cfg: DemoConfig) -> None:
 
     matplotlib.use("Agg")  # no display: render straight to the PNG file
     import matplotlib.pyplot as plt
+    import numpy as np
 
     ok = [run for run in runs.values() if run.result.ok]
     labels = [run.arm.label.replace(", ", "\n") for run in ok]
@@ -362,16 +387,23 @@ def _chart(runs: dict[str, _Run], path: Path, cfg: DemoConfig) -> None:
     fig, (ax_mem, ax_ms, ax_loss) = plt.subplots(1, 3, figsize=(18, 5.5))
     ax_mem.barh(labels, state, label="state: weights + optimizer states")
     ax_mem.barh(labels, transient, left=state, label="step transient peak")
-    ax_mem.set_xlabel("MiB (step peak = state + step transient)")
+    ax_mem.set_xlabel("MiB (step peak = state + step transient); vs baseline beside each bar")
     ax_mem.set_title("Step peak memory (tensor bytes, not process RSS)")
     ax_mem.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8)
     ax_mem.invert_yaxis()
+    versus = [_versus_baseline(run, runs) for run in ok]
+    for y, (total, (peak, _)) in enumerate(zip(np.add(state, transient), versus, strict=True)):
+        ax_mem.text(total, y, f" {peak}", va="center", fontsize=8)
     spreads = [run.result.step_ms for run in ok]
     medians = [s.median for s in spreads]
     errors = [[m - s.q25 for m, s in zip(medians, spreads, strict=True)],
               [s.q75 - m for m, s in zip(medians, spreads, strict=True)]]  # fmt: skip
     ax_ms.barh(labels, medians, xerr=errors, color="tab:gray", capsize=3)
-    ax_ms.set_xlabel("step ms (CPU): median, IQR bars; arms interleaved")
+    ax_ms.set_xlabel("step ms (CPU): median, IQR bars; arms interleaved; × baseline beside each bar")
+    for y, (s, (_, times)) in enumerate(zip(spreads, versus, strict=True)):
+        ax_ms.text(s.q75, y, f" {times}", va="center", fontsize=8)
+    for ax in (ax_mem, ax_ms):
+        ax.margins(x=0.45)  # room for the text beside the longest bar
     ax_ms.set_title(f"Step time ({cfg.compiler} for compiled arms)")
     ax_ms.set_yticklabels([])
     ax_ms.invert_yaxis()
@@ -389,3 +421,13 @@ def _chart(runs: dict[str, _Run], path: Path, cfg: DemoConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _versus_baseline(run: _Run, runs: dict[str, _Run]) -> tuple[str, str]:
+    """`run`'s step peak change and paired time ratio against its baseline, as the table gives them."""
+    base = runs.get(run.arm.baseline)
+    if base is None or not base.result.ok or base is run:
+        return ("baseline" if base is run else "", "")
+    peak = (run.state_bytes + run.result.peak_bytes) / (base.state_bytes + base.result.peak_bytes) - 1
+    which = "" if run.arm.baseline == BASELINE else " vs standard, same recipe"
+    return _pct(peak) + which, fmt_ratio(ratio(run.result, base.result)) + which

@@ -21,6 +21,7 @@ import sonar_fx
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import enable_activation_checkpointing
+from sonar_fx.optim.adamw import grad_like_param
 
 from helpers import CFG, assert_same_weights, batches, known_library_failure
 
@@ -250,6 +251,23 @@ def test_expert_gradients_never_pile_up(compiler):
     assert report["deferred"]["kept_operand_bytes"] == 0
     biggest = max(p.numel() * p.element_size() for p in experts)
     assert report["expert_grad_bytes"]["measured_peak"] == 2 * biggest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_capture_computes_each_gradient_in_its_parameters_layout(dtype):
+    """The eager capture's recipe gives each expert gradient in its parameter's layout, so the step never
+    copies one into another layout (that copy, twice per tensor under the clip over every parameter, made
+    the eager deferred step 1.5x the eager standard step: `python -m benchmarks.methods --deferred`)."""
+    model, opt, _, _ = pair("eager", dtype, "all")
+    model(**batches(1)[0]).loss.backward()
+    for p in opt.expert_group["params"]:
+        grad = opt.deferred.gradient(p, consume=False)
+        assert grad.stride() == p.stride() and grad_like_param(p, grad) is grad
+        # Negative control: the same product with the operands swapped and transposed back (the
+        # capture's earlier recipe) has the parameter's shape in another layout, which the step copies.
+        a, b, offs = opt.deferred.kept[id(p)].groups()[0][0].operands
+        swapped = torch._grouped_mm(b.t(), a.t(), offs=offs).transpose(-2, -1)
+        assert swapped.shape == p.shape and grad_like_param(p, swapped) is not swapped
 
 
 def test_a_loop_holding_its_loss_through_step_keeps_no_operand(monkeypatch):
