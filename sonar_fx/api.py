@@ -206,7 +206,7 @@ def _turn_off_kv_cache(model: nn.Module) -> None:
 
 DTENSOR_ENGINES = ("fsdp2", "fsdp2_ep")
 """Engines whose expert tensors and states are DTensor shards (FSDP2)."""
-DEFERRED_ENGINES = ("ddp", "ep")
+DEFERRED_ENGINES = ("ddp", "ep", "fsdp2", "fsdp2_ep")
 """Engines that run schedule="deferred" (a multi-process test shows each bitwise against the plain one)."""
 
 
@@ -218,15 +218,16 @@ def distributed_gap(
     4-bit states on DTensor shards are refused: torchao's own 4-bit optimizer fails on them (torch 2.13,
     torchao 0.18: its compiled kernel asserts "wrong number of dimensions" on FSDP2 shards), so there
     is no twin to be exact against. Muon on DTensor shards: `sharded_matrices_gap`. The deferred
-    schedule runs on DDP and expert parallelism (`DEFERRED_ENGINES`: each expert gradient computed at
-    step() is averaged as the engine averages it, bitwise against its no_sync() accumulation at world
-    size 2); on FSDP2 its kept operands are each rank's own and nothing reduce-scatters the gradients
-    computed from them."""
+    schedule runs on DDP, expert parallelism, FSDP2 and FSDP2 x EP (`DEFERRED_ENGINES`: each expert
+    gradient computed at step() is reduced as the engine reduces it, bitwise against its accumulation
+    with gradient sync at the last micro-batch only); DDP's async in-backward overlap ("ddp-async")
+    has no test of it, so it stays refused."""
     if schedule == "deferred" and engine not in DEFERRED_ENGINES:
         return "schedule", (
             f"schedule='deferred' is not supported on the {engine} engine yet: each rank keeps its own "
             "operands and nothing reduces the expert gradients computed from them at step(); use the "
-            f"default schedule (in-backward updates) there, or the {' or '.join(DEFERRED_ENGINES)} engine"
+            f"default schedule (in-backward updates) there, or the {', '.join(DEFERRED_ENGINES[:-1])} or "
+            f"{DEFERRED_ENGINES[-1]} engine"
         )
     sharded = sharded_matrices_gap(opt_cfg) if engine in DTENSOR_ENGINES else None
     if sharded is not None:

@@ -159,7 +159,9 @@ def make_sonar_backend(
         if not owners:
             warn_unprepared(unbound_expert_inputs(gm))
         bound_inputs = list(owners)  # whatever updates them, their owners see each backward begin
-        optimizer = next((o for o in owners.values() if isinstance(o, SonarOptimizer)), None)
+        # An owner may stand for an optimizer (FSDP2's unsharded experts under the deferred schedule).
+        stand_ins = (getattr(owner, "optimizer", owner) for owner in owners.values())
+        optimizer = next((o for o in stand_ins if isinstance(o, SonarOptimizer)), None)
         reduce = graph_reduce(optimizer)
         reduction = optimizer.distributed if optimizer is not None else None
         if reduction is not None and reduction.in_graph == "hooks":

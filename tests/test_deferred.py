@@ -310,8 +310,8 @@ def test_deferred_refusals():
         sonar_fx.prepare(model, CFG, schedule="deferred", accumulation="per_microbatch")
     with pytest.raises(ValueError, match="schedule="):
         sonar_fx.prepare(build_model("tiny-olmoe", dtype=torch.float32, seed=0), CFG, schedule="later")
-    gap = sonar_fx.api.distributed_gap(CFG, "fsdp2", "deferred")
-    assert gap is not None and gap[0] == "schedule" and "fsdp2" in gap[1]
+    gap = sonar_fx.api.distributed_gap(CFG, "ddp-async", "deferred")
+    assert gap is not None and gap[0] == "schedule" and "ddp-async" in gap[1]
 
 
 @pytest.mark.slow

@@ -29,11 +29,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.deferred_sharded import set_up_deferred
 from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
-from sonar_fx.optim.optimizer import NonFinite, SonarOptimizer
+from sonar_fx.optim.optimizer import NonFinite, Schedule, SonarOptimizer
 from sonar_fx.optim.reduction import require_process_group
 
 
@@ -61,6 +62,7 @@ def fsdp2(
     nonfinite: NonFinite = "raise",
     fallback: bool = True,
     fully_shard_kwargs: dict[str, Any] | None = None,
+    schedule: Schedule = "in_backward",
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Shard `model` with `fully_shard_experts` (unless it is an `FSDPModule` already) and prepare Sonar;
@@ -68,7 +70,7 @@ def fsdp2(
     still do the updates, after FSDP2's reduce-scatter). Warns when an expert tensor shares its
     `fully_shard` group with other parameters (exact, but no memory saved)."""
     require_process_group("sonar_fx.distributed.fsdp2")
-    gap = api.distributed_gap(opt_cfg, "fsdp2")
+    gap = api.distributed_gap(opt_cfg, "fsdp2", schedule)
     if gap is not None:  # refused before the model is sharded
         raise SonarUsageError(gap[1] + ".")
     refuse_unfit_model(model, "sonar_fx.distributed.fsdp2", fsdp_root=True)
@@ -78,10 +80,16 @@ def fsdp2(
     reduction = ShardedGrads(
         world_size=dist.get_world_size(), unsharded=functools.partial(unsharded_params, model)
     )
-    return api.compile(
+    if schedule == "deferred":  # a compiled block keeps operands; each gradient is reduced at step()
+        reduction.in_graph = "update"
+    api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
-        regional=compiler != "eager", distributed=reduction, **torch_compile_kwargs,
+        regional=compiler != "eager", distributed=reduction, schedule=schedule, **torch_compile_kwargs,
     )  # fmt: skip
+    if schedule == "deferred":
+        deferred = set_up_deferred(model, api.sonar_of(model))
+        reduction.deferred_step, reduction.unsynced_backward = deferred.at_step, deferred.unsynced_backward
+    return model
 
 
 def unsharded_params(model: nn.Module, params: list[Tensor]) -> list[Tensor]:

@@ -29,13 +29,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from sonar_fx import api
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.distributed.deferred_sharded import set_up_deferred
 from sonar_fx.distributed.expert_parallel import ExpertParallelExperts, shard_experts_, sharded_expert_names
 from sonar_fx.distributed.fsdp import unsharded_params, warn_unless_own_groups
 from sonar_fx.distributed.model_checks import refuse_unfit_model
 from sonar_fx.distributed.reductions import ShardedGrads
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
-from sonar_fx.optim.optimizer import NonFinite
+from sonar_fx.optim.optimizer import NonFinite, Schedule
 from sonar_fx.optim.reduction import require_process_group
 
 MESH_DIMS = ("dp", "ep")
@@ -79,12 +80,16 @@ def fsdp2_ep(
     nonfinite: NonFinite = "raise",
     fallback: bool = True,
     fully_shard_kwargs: dict[str, Any] | None = None,
+    schedule: Schedule = "in_backward",
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Lay `model` out on the 2-D `mesh` (`shard_fsdp2_ep`, unless it is an `FSDPModule` already) and set
     Sonar up; its optimizer is `model.sonar`. `compiler` "aot_eager" / "inductor" compiles each block
     (the all-to-alls and FSDP2's collectives run between graphs; the hooks update, after FSDP2)."""
     require_process_group("sonar_fx.distributed.fsdp2_ep")
+    gap = api.distributed_gap(opt_cfg, "fsdp2_ep", schedule)
+    if gap is not None:  # refused before the model is laid out
+        raise SonarUsageError(gap[1] + ".")
     refuse_unfit_model(model, "sonar_fx.distributed.fsdp2_ep", fsdp_root=True)
     if not isinstance(model, FSDPModule):
         shard_fsdp2_ep(model, mesh, experts=experts, **(fully_shard_kwargs or {}))
@@ -97,10 +102,16 @@ def fsdp2_ep(
         name="fsdp2_ep", world_size=dist.get_world_size(), expert_group=mesh.get_group("ep"),
         unsharded=functools.partial(unsharded_params, model),
     )  # fmt: skip
-    return api.compile(
+    if schedule == "deferred":  # a compiled block keeps operands; each gradient is reduced at step()
+        reduction.in_graph = "update"
+    api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
-        regional=compiler != "eager", distributed=reduction, **torch_compile_kwargs,
+        regional=compiler != "eager", distributed=reduction, schedule=schedule, **torch_compile_kwargs,
     )  # fmt: skip
+    if schedule == "deferred":
+        deferred = set_up_deferred(model, api.sonar_of(model))
+        reduction.deferred_step, reduction.unsynced_backward = deferred.at_step, deferred.unsynced_backward
+    return model
 
 
 def check_mesh(mesh: DeviceMesh) -> None:

@@ -269,6 +269,12 @@ class ShardedGrads:
     expert_group: dist.ProcessGroup | None = None
     """2-D layouts: the group over which ranks hold different experts (expert parallelism beside
     FSDP2), which every rank-dependent decision spans too; None: FSDP2 alone."""
+    deferred_step: Callable[[], StepReduce] | None = None
+    """schedule="deferred": the loop check and the reduce-scatter of each gradient computed at step()
+    (`deferred_sharded.ShardedDeferred.at_step`, set by `fsdp2` / `fsdp2_ep`)."""
+    unsynced_backward: Callable[[], bool] | None = None
+    """schedule="deferred": whether the last forward ran without gradient sync (FSDP2 then holds its
+    dense gradients unsharded, and no `.grad` exists until a synced backward: no step comes before it)."""
 
     def reduce_then_update(self, name: str, grad: Tensor, *, path: str, reduced: str, update: Update) -> None:
         if path != "hook" or reduced:
@@ -281,7 +287,13 @@ class ShardedGrads:
         update(grad)
 
     def at_step(self) -> StepReduce:
-        raise SonarUsageError(not_deferred(self.name))
+        if self.deferred_step is None:
+            raise SonarUsageError(not_deferred(self.name))
+        return self.deferred_step()
+
+    def holds_dense_grads(self) -> bool:
+        """Whether FSDP2 holds the dense gradients of the last backward itself (no gradient sync)."""
+        return self.unsynced_backward is not None and self.unsynced_backward()
 
     def any_rank(self, local: bool) -> bool:
         if self.expert_group is not None:  # other ranks hold other experts: ask all of them

@@ -32,9 +32,12 @@ class SonarOptimizer(group_checks.Optimizer, Protocol):
 
 
 @torch.no_grad()
-def keep_operands(opt: SonarOptimizer, param: Tensor, recipe: str, operands: list[Tensor]) -> None:
+def keep_operands(
+    opt: SonarOptimizer, param: Tensor, recipe: str, operands: list[Tensor], *, reached: Tensor | None = None
+) -> None:
     """Keep one backward's operands of `param`'s weight gradient for `step()`, if this backward would
-    accumulate into `param` at all (`deferred.wanted_by_this_backward`)."""
+    accumulate into `param` at all (`deferred.wanted_by_this_backward`). `reached`: the tensor autograd
+    differentiates for `param` where that is another (FSDP2's unsharded parameter of a sharded one)."""
     name = opt._names.get(id(param))
     if name is None:
         raise KeyError("defer_expert_ got a tensor that is not one of this optimizer's experts.")
@@ -45,7 +48,8 @@ def keep_operands(opt: SonarOptimizer, param: Tensor, recipe: str, operands: lis
             "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
         )
     group_checks.refuse_before_update(opt, "deferred")
-    if not deferred.wanted_by_this_backward(param, name):  # plain torch would not accumulate into it
+    # Plain torch would not accumulate into it: keep nothing.
+    if not deferred.wanted_by_this_backward(param if reached is None else reached, name):
         return
     crossed = opt.deferred.crossed_over(param)
     opt.deferred.add(param, name, recipe, operands)

@@ -107,6 +107,8 @@ def backward_finished(opt: LoopOptimizer) -> None:
     opt.loop.after_backward = _identities(opt.dense_params())
     if any(p.grad is not None for group in opt.param_groups for p in group["params"]):
         return
+    if getattr(getattr(opt, "distributed", None), "holds_dense_grads", lambda: False)():
+        return  # FSDP2 without gradient sync keeps the dense gradients unsharded: no step() comes next
     for p in opt.experts.params:  # weight-decay splits included
         grad = opt.deferred.gradient(p, consume=True) if id(p) in opt.deferred.kept else None
         if grad is not None:

@@ -94,7 +94,9 @@ def resolve(alias: Tensor) -> tuple[Tensor, ExpertOwner]:
 
 
 def same_storage(a: Tensor, b: Tensor) -> bool:
-    """`a` and `b` live in one storage (never for meta tensors, which have none)."""
+    """`a` and `b` live in one storage (never for meta tensors, which have none). A DTensor (an FSDP2
+    shard) has no storage of its own: its local tensor's counts."""
+    a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
     if a.device != b.device or a.device.type == "meta":
         return False
     return storage_key(a) == storage_key(b)

@@ -1,0 +1,131 @@
+"""schedule="deferred" on FSDP2 and FSDP2 x EP, gloo processes: bitwise the plain engine (every
+parameter's `full_tensor()`) with the user's `set_requires_gradient_sync(False)` accumulation and one
+clip over every parameter (or the dense ones), the logged norm the plain clip's; or refused at step()
+before any weight moves.
+
+One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
+and the 4-rank case have their own (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, MAX_NORM, STEPS, label
+
+import sonar_fx
+
+import distributed_worker
+from helpers import CFG
+
+pytestmark = pytest.mark.multiprocess
+EXPERT_TENSORS = 4  # both tiny models: 2 layers x (gate_up, down)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("deferred_sharded")
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded", str(out))
+    return distributed_worker.results(str(out))
+
+
+def check_exact(run: dict, case: tuple) -> None:
+    engine, _, _, compiler, accum = case[:5]
+    assert run["differ"] == [], run["differ"][:3]
+    assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]  # the clip is active every step
+    # The norm Sonar logs is the one the plain engine's clip returns, bit for bit.
+    assert run["norms"] == run["twin_norms"]
+    assert run["fallbacks"] == []
+    # Before step() no expert `.grad` exists on the shards, and FSDP2 reduce-scattered nothing of them.
+    assert run["expert_grads_alive"] == 0
+    if not (engine == "fsdp2_ep" and compiler == "eager"):
+        # The saving: plain FSDP2 holds every expert's unsharded gradient across the unsynced
+        # micro-batches (the rank's whole experts, E x out x in); Sonar holds none, its operands instead.
+        assert run["unsharded_expert_grad_bytes"] == 0
+        assert run["twin_unsharded_expert_grad_bytes"] == run["expert_grad_bytes"], run
+    if engine == "fsdp2_ep" and compiler == "eager":  # Sonar's own grouped-GEMM op: kept whole, by FSDP2
+        assert (
+            run["updates_kept_whole"] == STEPS * EXPERT_TENSORS and len(run["kept_whole"]) == EXPERT_TENSORS
+        )
+        return
+    assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+    assert run["kept_operand_peak"] > 0
+    if compiler != "eager":  # the graph pass kept the operands: a graph was compiled, none fell back
+        assert run["graphs"] >= 1
+    if engine == "fsdp2" and accum == 2:  # the saving: the kept operands are below the expert gradients
+        assert run["crossed_over"] == {}
+        assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
+
+
+@pytest.mark.parametrize("case", EXACT, ids=[label(*c) for c in EXACT])
+def test_deferred_on_sharded_engines_equals_the_plain_engine_with_unsynced_accumulation(ranks, case):
+    """FSDP2: each rank's full local expert gradient reduce-scattered to its Shard(0) slice as FSDP2
+    reduces it, the norm over every parameter DTensor's (`full_tensor`). FSDP2 x EP: the same over the
+    "dp" column with the world divide factor, the norm torchtitan's (each expert counted once)."""
+    runs = [r[label(*case)] for r in ranks]
+    for run in runs:
+        check_exact(run, case)
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense parameters"
+    expert_rows = case[5][1] if case[0] == "fsdp2_ep" else 1  # ranks of an "ep" row hold other experts
+    assert len({run["digest"] for run in runs}) == expert_rows
+
+
+def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
+    for r in ranks:
+        run = r["inf_on_one_rank"]
+        assert run["moved_in_skipped"] == []  # on the clean rank too
+        assert run["skipped_steps"] == 1
+        assert run["differ"] == [], run["differ"][:3]
+
+
+def test_grad_scaler_is_refused_at_step_before_any_weight_moves(ranks):
+    for r in ranks:
+        run = r["grad_scaler_refused"]
+        assert run["message"] is not None and "GradScaler" in run["message"] and "bf16" in run["message"]
+        assert run["moved"] == []
+
+
+def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):
+    for r in ranks:
+        assert r["control/sync_every"], "a sync on every micro-batch must give other bits"
+
+
+@pytest.mark.parametrize(
+    ("sync", "names"),
+    [
+        ("every", ["micro-batch 1 of 2", "set_requires_gradient_sync(False)", "zero_grad()"]),
+        ("never", ["last micro-batch", "set_requires_gradient_sync(True)", "step() again"]),
+    ],
+)
+def test_loop_fsdp2_reduces_otherwise_is_refused_at_step_before_any_weight_moves(ranks, sync, names):
+    for r in ranks:
+        run = r[f"refused/{sync}"]
+        assert run["message"] is not None and all(n in run["message"] for n in names), run["message"]
+        assert run["moved"] == []
+        assert run["then"] == [], run["then"][:3]  # the message's fix: exact again
+
+
+@pytest.mark.slow
+def test_deferred_on_fsdp2_with_compiled_blocks_equals_plain_fsdp2_with_compiled_blocks(tmp_path):
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_compiled", str(tmp_path))
+    runs = [r[label(*COMPILED)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        check_exact(run, COMPILED)
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
+
+
+@pytest.mark.slow
+def test_deferred_on_fsdp2_on_four_ranks_equals_plain_fsdp2(tmp_path):
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_four", str(tmp_path), world=4)
+    runs = [r[label(*FOUR_RANKS)] for r in distributed_worker.results(str(tmp_path), world=4)]
+    for run in runs:
+        check_exact(run, FOUR_RANKS)
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
+
+
+def test_the_one_rule_lets_deferred_through_on_every_engine_a_test_shows_exact():
+    """DDP, expert parallelism (test_distributed_deferred), FSDP2 and FSDP2 x EP (above) run it; DDP's
+    async in-backward overlap is refused by `distributed_gap`, naming the engines that run it."""
+    for engine in ("ddp", "ep", "fsdp2", "fsdp2_ep"):
+        assert sonar_fx.api.distributed_gap(CFG, engine, "deferred") is None
+    gap = sonar_fx.api.distributed_gap(CFG, "ddp-async", "deferred")
+    assert gap is not None and gap[0] == "schedule" and "fsdp2" in gap[1], gap
