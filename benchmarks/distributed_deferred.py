@@ -1,24 +1,24 @@
-"""Question: what do the deferred schedule's memory and time look like per rank on DDP and expert
-parallelism, under the recipe people run (micro-batches accumulated with `no_sync()`, one clip)?
+"""Question: what do the deferred schedule's memory and time look like per rank on DDP, expert
+parallelism and FSDP2, under the recipe people run (micro-batches accumulated without gradient sync
+but at the last, one clip)?
 
 Each engine runs its plain recipe (every gradient kept until `step()`, `clip_grad_norm_`, fused AdamW)
 against Sonar's deferred schedule on the same engine, on `world` gloo processes, the OLMoE-shaped
-benchmark model (`benchmarks.workload.SHAPES`), `accum` micro-batches per step, the user's `no_sync()`
-loop on both sides. Per rank:
+benchmark model (`benchmarks.workload.SHAPES`), `accum` micro-batches per step, the user's loop on both
+sides (DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync(False)`; on all but the last). Per rank:
 - memory (clip over every parameter): the step's peak of allocated bytes, the bytes alive at its start
-  (weights, optimizer states, gradients, DDP's buckets, the batch: storage bytes) plus the profiler's
-  transient peak above it (`sonar_fx.memory.measure_peak`). The saving against the plain engine is
-  graded against what the design predicts: the rank's expert-gradient bytes, less the two expert
-  tensors the pipelined step holds (one in flight, one being computed), less the kept operands. The
-  planner's per-rank peak (`sonar_fx.plan(..., parallel=engine, world=world)`) is graded against the
-  measured one;
+  (weights, optimizer states, gradients, DDP's buckets, the batch: storage bytes, FSDP2's shards) plus
+  the profiler's transient peak above it (`sonar_fx.memory.measure_peak`). The saving against the plain
+  engine is graded against what the design predicts: the expert-gradient bytes the plain engine holds
+  on the rank, less the two expert tensors the pipelined step holds (one in flight, one being
+  computed), less the kept operands. The planner's per-rank peak (`sonar_fx.plan(..., parallel=engine,
+  world=world)`; DDP and EP) is graded against the measured one;
 - time (paired ratios over `rounds` rounds, arms interleaved): the dense-only clip (one pass) and the
   clip over all parameters (a norm pass that computes every expert gradient once more: the extra
   weight-gradient GEMMs, timed apart by recomputing every gradient once from the kept operands, are
   the floor of that ratio);
-- `--timeline`: live memory through one step on each rank (`benchmarks.profiles.timeline`), with each
-  expert gradient's all-reduce marked from its start to its wait: the deferred step computes the next
-  gradient while it runs.
+- `--timeline` (`benchmarks.deferred_timeline`): live memory through one DDP step on each rank, each
+  expert gradient's all-reduce marked from its start to its wait.
 This module never asserts anything; the goals table grades it.
 """
 
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sonar_fx.distributed as sd
@@ -53,12 +54,12 @@ from sonar_fx.distributed.memory import ddp_bucket_bytes
 from sonar_fx.distributed.reductions import expert_parallel_norm
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import fmt_ratio, paired_ratio
-from sonar_fx.memory import ExpertGradBytes, measure_peak, storage_bytes
+from sonar_fx.memory import measure_peak, storage_bytes
 from sonar_fx.planner import plan
 from sonar_fx.workload import random_batches
 
 SCRIPT = "distributed_deferred"
-ENGINES = ("ddp", "ep")
+ENGINES = ("ddp", "ep", "fsdp2")
 MAX_NORM = 1e-3
 """Below every step's norm: the clip scales every gradient on every step (both arms)."""
 
@@ -75,9 +76,12 @@ class Config:
     accum: int = 4
     """Micro-batches per step (`no_sync()` on all but the last)."""
     engines: tuple[str, ...] = ENGINES
-    compilers: dict[str, str] = field(default_factory=lambda: {"ddp": "eager", "ep": "aot_eager"})
-    """Per engine: DDP's eager capture keeps the grouped GEMMs' operands; expert parallelism's own
-    grouped-GEMM op is kept by its compiled blocks (eager, its gradient arrives whole: nothing saved)."""
+    compilers: dict[str, str] = field(
+        default_factory=lambda: {"ddp": "eager", "ep": "aot_eager", "fsdp2": "eager"}
+    )
+    """Per engine: DDP's and FSDP2's eager capture keeps the grouped GEMMs' operands; expert
+    parallelism's own grouped-GEMM op is kept by its compiled blocks (eager, its gradient arrives whole:
+    nothing saved)."""
     rounds: int = 15
     """Timed rounds per pair (0: memory only)."""
     warmup: int = 1
@@ -102,10 +106,20 @@ class Arm:
     sonar: Any = None
 
     def train(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        for i, b in enumerate(micro_batches):
-            with self.run.no_sync() if i < len(micro_batches) - 1 else nullcontext():  # type: ignore[operator]
-                self.run(**b).loss.backward()
+        self.backwards(micro_batches)
         self.step()
+
+    def backwards(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """The user's accumulation loop: gradient sync on the last micro-batch only (DDP's `no_sync()`,
+        FSDP2's `set_requires_gradient_sync(False)`)."""
+        for i, b in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if isinstance(self.run, DDP):
+                with nullcontext() if last else self.run.no_sync():
+                    self.run(**b).loss.backward()
+            else:
+                self.run.set_requires_gradient_sync(last)  # type: ignore[operator]
+                self.run(**b).loss.backward()
 
     def start_bytes(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
         """Storage bytes alive when a step starts: weights, buffers, gradients, optimizer states, DDP's
@@ -115,7 +129,9 @@ class Arm:
             v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)
         ]
         tensors += [*self.model.buffers(), *(t for b in micro_batches for t in b.values())]
-        return storage_bytes(tensors) + ddp_bucket_bytes(self.run)  # type: ignore[arg-type]
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # FSDP2: the rank's shards
+        buckets = ddp_bucket_bytes(self.run) if isinstance(self.run, DDP) else 0
+        return storage_bytes(local) + buckets
 
 
 def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
@@ -126,7 +142,7 @@ def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
     sonar_cfg = AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
     name = f"{'deferred' if deferred else 'plain'} {engine}, clip {clip}"
     if deferred:
-        wrap = sd.ddp if engine == "ddp" else sd.expert_parallel
+        wrap = {"ddp": sd.ddp, "ep": sd.expert_parallel, "fsdp2": sd.fsdp2}[engine]
         kwargs = {} if compiler == "eager" else {"compiler": compiler}
         run = wrap(model, sonar_cfg, schedule="deferred", **kwargs)
         opt = run.sonar  # type: ignore[union-attr]
@@ -153,6 +169,9 @@ def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
 
 
 def _plain_engine(model: nn.Module, engine: str, compiler: str) -> tuple[nn.Module, list[nn.Parameter]]:
+    if engine == "fsdp2":  # the experts in their own fully_shard groups, as sd.fsdp2 lays them out
+        sd.fully_shard_experts(model)
+        return model, ExpertSet.discover(model).params
     if engine == "ddp":
         experts = ExpertSet.discover(model).params
         wrapped = DDP(model)
@@ -169,7 +188,7 @@ def _plain_engine(model: nn.Module, engine: str, compiler: str) -> tuple[nn.Modu
 def _clip(engine: str, dense: list[nn.Parameter], experts: list[nn.Parameter]) -> None:
     """`clip_grad_norm_` over `dense + experts`; expert parallelism: torchtitan's norm (each rank's
     experts counted once)."""
-    if engine == "ddp" or not experts:
+    if engine != "ep" or not experts:
         torch.nn.utils.clip_grad_norm_([*dense, *experts], MAX_NORM)
         return
     grads = [p.grad for p in dense], [p.grad for p in experts]
@@ -193,12 +212,14 @@ class MemoryRow:
     plain_peak: int
     deferred_peak: int
     expert_bytes: int
-    """This rank's expert-gradient bytes (EP: its E/world experts)."""
+    """The expert-gradient bytes the plain engine holds on this rank (EP: its E/world experts; FSDP2,
+    whose loop skips gradient sync: every expert's unsharded gradient until the synced backward)."""
     two_tensors: int
     """Two of the largest expert tensor's gradient: the one in flight and the one being computed."""
     kept_bytes: int
     """The deferred step's kept operands at their most (`DeferredGrads.last_peak_bytes`)."""
     planned_peak: int
+    """`sonar-fx plan --parallel ENGINE --world N`'s peak (0: not planned, FSDP2)."""
     overlapped: int
     """Expert gradients computed while the collective of the one before ran, in the measured step."""
 
@@ -229,9 +250,10 @@ def measure_memory(cfg: Config, engine: str) -> MemoryRow:
                 arm.sonar.deferred.overlapped - overlapped_before,
             )
     assert arm is not None
-    grads = ExpertGradBytes.of(ExpertSet.discover(arm.model).layers)
-    biggest = max(p.numel() * p.element_size() for p in arm.experts)
-    planned = plan(
+    # What the plain engine holds: each expert tensor's whole gradient on the rank (EP: its E/world
+    # experts; FSDP2 under set_requires_gradient_sync(False): every expert's unsharded gradient).
+    sizes = [p.numel() * p.element_size() for p in arm.experts]
+    planned = None if engine == "fsdp2" else plan(
         _shape_config(cfg), batch=cfg.batch,
         seq=cfg.seq, dtype=getattr(torch, cfg.dtype), opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM),
         methods=("sonar_deferred_global_clip",), device="cpu", grad_accum=cfg.accum, parallel=engine,
@@ -239,8 +261,8 @@ def measure_memory(cfg: Config, engine: str) -> MemoryRow:
     )  # fmt: skip
     return MemoryRow(
         engine=engine, rank=dist.get_rank(), plain_peak=peaks[False], deferred_peak=peaks[True],
-        expert_bytes=grads.total, two_tensors=2 * biggest, kept_bytes=kept or 0,
-        planned_peak=planned.methods[0].peak_allocated_bytes, overlapped=overlapped,
+        expert_bytes=sum(sizes), two_tensors=2 * max(sizes), kept_bytes=kept or 0,
+        planned_peak=0 if planned is None else planned.methods[0].peak_allocated_bytes, overlapped=overlapped,
     )  # fmt: skip
 
 
@@ -290,9 +312,7 @@ def _extra_gemms(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> float:
     """The time of the norm pass's extra weight-gradient GEMMs: after a step's backwards, each expert
     gradient computed once from the kept operands (and dropped); then the step is dropped
     (`zero_grad()`: the next forward starts a fresh step)."""
-    for i, b in enumerate(micro):
-        with arm.run.no_sync() if i < len(micro) - 1 else nullcontext():  # type: ignore[operator]
-            arm.run(**b).loss.backward()
+    arm.backwards(micro)
     store = arm.sonar.deferred
     began = time.perf_counter()
     with torch.no_grad():
@@ -353,8 +373,8 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
         return f"{mib(n):.1f}"
 
     body = [[r.engine, str(r.rank), m(r.plain_peak), m(r.deferred_peak), m(r.saving), m(r.expert_bytes),
-             m(r.two_tensors), m(r.kept_bytes), f"{r.saving / max(r.expected, 1):.2f}", m(r.planned_peak),
-             f"{(r.planned_peak - r.deferred_peak) / r.deferred_peak:+.1%}", str(r.overlapped)]
+             m(r.two_tensors), m(r.kept_bytes), f"{r.saving / max(r.expected, 1):.2f}", *_planned(r),
+             str(r.overlapped)]
             for r in rows]  # fmt: skip
     note = (
         f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank x "
@@ -369,6 +389,12 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
                "two tensors MiB", "kept operands MiB", "saving / expected", "planned MiB", "plan error",
                "overlapped"]  # fmt: skip
     return Table(title="Memory per rank", headers=headers, rows=body, note=note)
+
+
+def _planned(r: MemoryRow) -> list[str]:
+    if not r.planned_peak:
+        return ["-", "-"]
+    return [f"{mib(r.planned_peak):.1f}", f"{(r.planned_peak - r.deferred_peak) / r.deferred_peak:+.1%}"]
 
 
 def time_table(rows: list[TimeRow], cfg: Config) -> Table:
@@ -400,8 +426,9 @@ def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
     for r in memory:
         out.append(goal(f"{SCRIPT}.saving", f"{r.engine} rank {r.rank}: saving / expected",
                         r.saving / max(r.expected, 1)))  # fmt: skip
-        out.append(goal(f"{SCRIPT}.plan", f"{r.engine} rank {r.rank}: |planned - measured| / measured",
-                        abs(r.planned_peak - r.deferred_peak) / r.deferred_peak))  # fmt: skip
+        if r.planned_peak:
+            out.append(goal(f"{SCRIPT}.plan", f"{r.engine} rank {r.rank}: |planned - measured| / measured",
+                            abs(r.planned_peak - r.deferred_peak) / r.deferred_peak))  # fmt: skip
     for t in times:
         if t.clip == "dense":
             name = f"{t.engine} rank {t.rank}: dense-only clip, deferred / plain"

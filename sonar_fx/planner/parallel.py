@@ -12,8 +12,8 @@ step with what the engine changes on a rank:
   routed slots it computes are, on average, its own batch's (batch x seq x top-k), so a rank is
   planned as the model with E/world experts and the same top-k; the dense parameters are DDP's
   (buckets for them). The rank's experts need no collective: nothing in flight.
-- "fsdp2": refused while the deferred schedule does not run on FSDP2 (`api.distributed_gap`), and
-  FSDP2's sharded step is not modelled for the other methods.
+- "fsdp2": refused, naming why: FSDP2's sharded step (all-gathered groups, reduce-scatter buffers,
+  the deferred step's unsharded expert gradients) is not modelled, and no measured step checks it.
 Never: start a process group, or plan what the engine does not run.
 """
 
@@ -92,9 +92,9 @@ def layout(parallel: str | None, world: int, methods: Sequence[str]) -> Layout |
         raise PlanError(f"parallel {parallel!r}: choose from {', '.join(PARALLEL)}.")
     if parallel == "fsdp2":
         raise PlanError(
-            "--parallel fsdp2: not planned yet. The deferred schedule does not run on FSDP2 yet "
-            "(schedule='deferred' is refused there), and FSDP2's sharded step is not modelled; plan "
-            "--parallel ddp or ep."
+            "--parallel fsdp2: not planned yet. FSDP2's sharded step (each group's all-gathered "
+            "parameters, the reduce-scatter buffers, the deferred step's unsharded expert gradients) is "
+            "not modelled, and no measured step checks it; plan --parallel ddp or ep."
         )
     if world < 2:
         raise PlanError(f"--world {world}: a {parallel} run has 2 or more ranks.")
