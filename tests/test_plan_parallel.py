@@ -10,10 +10,13 @@ import torch
 
 from sonar_fx.cli import main
 from sonar_fx.config import AdamWConfig
-from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.experts.discovery import ExpertSet, discover_experts
+from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import PlanError, plan
+from sonar_fx.planner.models import model_source
+from sonar_fx.planner.parallel import Layout
 
 SHAPE = dict(num_experts=8, num_experts_per_tok=2, hidden_size=32, intermediate_size=32, num_hidden_layers=2)
 DEFERRED = "sonar_deferred_global_clip"
@@ -29,10 +32,8 @@ def _dense_bytes() -> int:
 @pytest.fixture(scope="module")
 def plans():
     config = tiny_config("tiny-olmoe", **SHAPE)
-    return {
-        engine: plan(config, methods=(DEFERRED,), parallel=engine, world=world, **KW)
-        for engine, world in ((None, 1), ("ddp", 2), ("ep", 2))
-    }
+    return {engine: plan(config, methods=(DEFERRED,), parallel=engine, world=2 if engine else 1, **KW)
+            for engine in (None, "ddp")}  # fmt: skip
 
 
 def test_a_ddp_rank_is_the_one_process_step_plus_the_dense_buckets(plans):
@@ -47,14 +48,16 @@ def test_a_ddp_rank_is_the_one_process_step_plus_the_dense_buckets(plans):
     assert (plans["ddp"].parallel, plans["ddp"].world) == ("ddp", 2)
 
 
-def test_an_expert_parallel_rank_holds_its_share_of_the_experts(plans):
-    alone, rank = plans[None], plans["ep"]
-    assert rank.expert_grad.total * 2 == alone.expert_grad.total
-    dense = _dense_bytes()
-    experts_alone = alone.method(DEFERRED).categories["weights"] - dense
-    # The rank's weights: the dense ones (the router shrinks with its experts) and half the experts.
-    assert rank.method(DEFERRED).categories["weights"] < dense + experts_alone // 2 + 1
-    assert rank.method(DEFERRED).categories["weights"] > experts_alone // 2
+def test_an_expert_parallel_rank_holds_its_share_of_the_experts():
+    """The rank's model: E/world experts per layer, the same top-k; DDP's buckets for the dense part."""
+    source = model_source(tiny_config("tiny-olmoe", **SHAPE))
+    rank = Layout(engine="ep", world=2)
+    alone, mine = (s.build(torch.bfloat16) for s in (source, rank.source(source)))
+    halves = [ExpertGradBytes.of(discover_experts(m)).total for m in (alone, mine)]
+    assert halves[1] * 2 == halves[0]
+    assert mine.config.num_experts_per_tok == alone.config.num_experts_per_tok
+    dense = sum(p.numel() * p.element_size() for p in mine.parameters()) - halves[1]
+    assert rank.bucket_bytes(mine, sonar=True) == rank.bucket_bytes(mine, sonar=False) == dense
 
 
 @pytest.mark.parametrize(
