@@ -7,6 +7,7 @@ methods       paper Table 1: every method x execution mode (memory, step time, h
               goes, beside the same update done the plain way)
 compile       compile time with and without the pass, regional vs whole-model; --endurance (2,000 steps:
               RSS flat, no recompiles, steady step time)
+keep_budget   the deferred step's keep budget: step time against memory at budget 0, 1/4, 1/2, all
 optimizers    optimizers, clipping modes, logged norms, low-bit states; --only muon (Muon's table)
 distributed   gradient memory per distributed engine (DDP, FSDP2, EP, the 2-D layout)
 distributed_deferred  the deferred schedule per rank on DDP and EP: memory, time, the planner's peak;
@@ -26,6 +27,7 @@ profiler). The measuring itself is `sonar_fx.measure`, which the demo shares; th
 SCRIPTS = (
     "benchmarks.methods",
     "benchmarks.compile",
+    "benchmarks.keep_budget",
     "benchmarks.optimizers",
     "benchmarks.distributed",
     "benchmarks.distributed_deferred",

@@ -130,6 +130,8 @@ class ArmResult(MeasuredArm):
     """Expert tensors updated in the last step, by path ("graph", "hook", "deferred" or "kept")."""
     kept_operand_bytes: int | None = None
     """The deferred schedule's kept operands at their peak in the last step (None: another method)."""
+    keep_budget: dict[str, Any] = field(default_factory=dict)
+    """The deferred schedule: its keep budget's figures in the last step (`report()["deferred"]`)."""
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -204,6 +206,8 @@ def _describe(run: _Live, calls_before: int, held_out: Sequence[Batch]) -> None:
         result.fallbacks = list(report["fallbacks"])
         if "deferred" in report:
             result.kept_operand_bytes = report["deferred"]["kept_operand_peak"]
+            keys = ("keep_budget_bytes", "kept_grad_bytes", "computed_grad_bytes", "recomputed_share")
+            result.keep_budget = {k: report["deferred"][k] for k in keys}
     try:
         result.held_out_loss = held_out_loss(run.model, list(held_out))
     except Exception as err:

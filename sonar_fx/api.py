@@ -99,7 +99,7 @@ def _prepare(
         )
     found = ExpertSet.discover(model, experts, expert_biases=expert_biases)
     if distributed is None:
-        _refuse_gradient_reducing_wrappers(model, found)
+        _refuse_gradient_reducing_wrappers(model, found, opt_cfg, schedule)
     else:
         _refuse_untested_distributed(opt_cfg, distributed, schedule)
     _check_dtypes_and_devices(found)
@@ -268,9 +268,12 @@ def _refuse_untested_distributed(opt_cfg: OptimizerConfig, distributed: GradRedu
         raise SonarUsageError(gap[1] + ".")
 
 
-def _refuse_gradient_reducing_wrappers(model: nn.Module, experts: ExpertSet) -> None:
+def _refuse_gradient_reducing_wrappers(
+    model: nn.Module, experts: ExpertSet, opt_cfg: OptimizerConfig, schedule: str
+) -> None:
     """Experts under a wrapper that reduces gradients after backward would be updated from local ones:
-    point to `sonar_fx.distributed`, which sets the engine up so that they are not."""
+    point to `sonar_fx.distributed`, which sets the engine up so that they are not, unless the one rule
+    (`distributed_gap`) refuses this config there: then its reason, which names what runs instead."""
     from torch.nn.parallel import DistributedDataParallel
 
     wrappers: list[tuple[str, nn.Module]] = [
@@ -280,19 +283,24 @@ def _refuse_gradient_reducing_wrappers(model: nn.Module, experts: ExpertSet) -> 
         prefix = f"{wrapper_name}." if wrapper_name else ""
         inside = [name for name in experts.names if name.startswith(prefix)]
         if inside:
-            fix = (
-                "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model (it keeps the experts out of "
-                "DDP's buckets and all-reduces each expert gradient before its update)"
-                if isinstance(wrapper, DistributedDataParallel)
-                else "sonar_fx.distributed.fsdp2(model, cfg) on the unwrapped model (FSDP2's fully_shard "
-                "reduce-scatters each expert gradient before Sonar's hook updates the shard; FSDP1's flat "
-                "parameters are not supported)"
-            )
+            engine = "ddp" if isinstance(wrapper, DistributedDataParallel) else "fsdp2"
+            gap = distributed_gap(opt_cfg, engine, schedule)
+            fix = f"Nor does Sonar's own setup of it run this: {gap[1]}" if gap else f"Use {_SETUPS[engine]}"
             raise SonarUsageError(
                 f"{inside[0]} is an expert tensor managed by {type(wrapper).__name__}, which reduces "
                 "gradients across ranks after backward: a plain prepare/compile would update it from this "
-                f"rank's local gradient and train silently wrong. Use {fix}."
+                f"rank's local gradient and train silently wrong. {fix}."
             )
+
+
+_SETUPS = {
+    "ddp": "sonar_fx.distributed.ddp(model, cfg) on the unwrapped model (it keeps the experts out of DDP's "
+    "buckets and all-reduces each expert gradient before its update)",
+    "fsdp2": "sonar_fx.distributed.fsdp2(model, cfg) on the unwrapped model (FSDP2's fully_shard "
+    "reduce-scatters each expert gradient before Sonar's hook updates the shard; FSDP1's flat "
+    "parameters are not supported)",
+}
+"""What sets each wrapping engine up for Sonar (`_refuse_gradient_reducing_wrappers`' fix)."""
 
 
 def _is_fsdp(module: nn.Module) -> bool:

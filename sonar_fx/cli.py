@@ -32,6 +32,8 @@ from sonar_fx.experts.report import discovery_report, format_report, report_json
 from sonar_fx.methods import METHODS, Execution
 from sonar_fx.models import TINY_MODELS
 from sonar_fx.optim.optimizer import NONFINITE
+from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.planning import parse_bytes
 from sonar_fx.planner.report import add_plan_flags, plan_command
 from sonar_fx.trainer import (
     DTYPES,
@@ -157,6 +159,9 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--expert-clip", type=_expert_clip, default=d.expert_clip, metavar="{none,per_tensor,global}",
         help="clip expert gradients to --max-grad-norm: not at all (none, the paper), each tensor by its "
         "own norm (per_tensor), or with the dense ones by one norm (global: 2 backward passes)")  # fmt: skip
+    add("--keep-budget", type=_keep_budget, default=d.keep_budget, metavar="BYTES|auto",
+        help="deferred schedule, clip over all: bytes of expert gradients the norm pass keeps instead of "
+        "computing them twice (e.g. 2GiB; auto: CUDA's free memory less a margin; default 0)")  # fmt: skip
     add("--clip-scope", choices=("all", "dense"), default=None,
         help="gradients one global norm clips: all (every parameter; sonar: exact, one backward, the "
         "deferred schedule) or dense (sonar's in-backward default); default: the method's")  # fmt: skip
@@ -311,6 +316,17 @@ def _optional_float(text: str) -> float | None:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _keep_budget(text: str) -> int | str:
+    if text in ("auto", "0"):
+        return 0 if text == "0" else text
+    try:
+        return parse_bytes(text)
+    except PlanError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size (2GiB, 500MB, bytes), 0 or auto, got {text!r}"
+        ) from None
 
 
 def _expert_clip(text: str) -> str | None:

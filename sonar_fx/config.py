@@ -20,6 +20,7 @@ ExpertClip = Literal["per_tensor", "global"] | None
 EXPERT_CLIPS: tuple[ExpertClip, ...] = (None, "per_tensor", "global")
 StateBits = Literal[32, 8, 4]
 STATE_BITS: tuple[int, ...] = (32, 8, 4)
+KeepBudget = int | Literal["auto"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,13 @@ class _OptimizerConfig:
     inside its update) or "global" (one norm over dense AND expert gradients, exactly as standard
     training clips; costs a second forward and backward: `SonarOptimizer.backward(closure)` runs
     both)."""
+    keep_budget: KeepBudget = 0
+    """schedule="deferred" with expert_clip="global" (or `model.sonar.clip_grad_norm_`, a GradScaler,
+    nonfinite="skip"): bytes of expert gradients the norm pass may keep for the update pass instead of
+    computing them again (those the update pass reaches first; a gradient already held whole, e.g.
+    past its crossover, counts against it). 0: none kept, each computed twice (one gradient alive at a
+    time); "auto": the CUDA caching allocator's free memory at each step less a stated margin
+    (`sonar_fx.optim.keep_budget`; refused on CPU). Exact at every budget."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Before the dataclass's own __init__: a torch optimizer's keyword (maximize=, ...) is refused
@@ -94,6 +102,7 @@ class _OptimizerConfig:
             self.expert_clip,
             "None when max_grad_norm is None (there is no threshold to clip expert gradients to)",
         )
+        self._check_keep_budget()
 
     @property
     def clips(self) -> bool:
@@ -111,6 +120,20 @@ class _OptimizerConfig:
                 f"{type(self).__name__}.{field}={value!r} is invalid: expected {expected}.",
                 field=field.split("[")[0],
             )
+
+    def _check_keep_budget(self) -> None:
+        budget = self.keep_budget
+        if budget == "auto":
+            return
+        # bool is an int: keep_budget=True would read as one byte
+        whole = isinstance(budget, int) and not isinstance(budget, bool)
+        self._check(
+            whole and budget >= 0,
+            "keep_budget",
+            budget,
+            "a whole number of bytes >= 0 (0: keep none), or 'auto' (CUDA: the caching allocator's free "
+            "memory less a margin)",
+        )
 
     def _check_weight_decay_groups(self) -> None:
         groups = tuple(self.weight_decay_groups)

@@ -8,9 +8,13 @@ baseline, so every method is built by one builder whatever runs it:
 - `wrap(model, compiler)`: a baseline's model as the engine runs it (DDP, `fully_shard`, torch.compile);
 - `expert_grad_scale()`: what a baseline multiplies expert gradients by before it clips (expert
   parallelism: 1/world, the data-parallel average that DDP applies to the dense gradients);
+- `no_sync(run)`: the context every micro-batch of a step but the last runs under (DDP's and expert
+  parallelism's `no_sync()`, FSDP2's `set_requires_gradient_sync(False)`), the accumulation loop
+  whose arithmetic the deferred schedule has (each rank sums its micro-batches, one reduction);
 - what it runs: `methods` (by name), `compiles`, `hooks_on_compiled`, and `check_optimizer` for the
-  optimizer settings it is verified with, so a combination it does not run is refused before
-  anything is built (`sonar_fx.methods.check_engine`).
+  optimizer settings and schedule it is verified with (`sonar_fx.api.distributed_gap`, the one
+  rule), so a combination it does not run is refused before anything is built
+  (`sonar_fx.methods.check_engine`).
 Options of an engine (a process group, a device mesh, a setting it learns to support) belong on its
 strategy object. `ENGINES` names them as `--parallel` does. The distributed engines import
 `sonar_fx.distributed` when they build, so a single-process run never loads it.
@@ -20,7 +24,8 @@ Never: change a method's arithmetic; the clip rule and the optimizers are the bu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +35,7 @@ from torch import nn
 from sonar_fx import api
 from sonar_fx.config import ConfigFieldError, OptimizerConfig
 from sonar_fx.experts.discovery import ExpertSet
-from sonar_fx.optim.optimizer import Granularity, SonarOptimizer
+from sonar_fx.optim.optimizer import Granularity, Schedule, SonarOptimizer
 
 Run = Callable[..., Any]
 """What a training step calls with a batch: the model, or its wrapper (DDP, torch.compile)."""
@@ -58,9 +63,15 @@ class Engine(ABC):
     hooks_on_compiled: bool = True
     """Runs Sonar's hooks on a compiled model without the graph pass (the ablation)."""
 
-    def check_optimizer(self, cfg: OptimizerConfig) -> None:
-        """Refuse optimizer settings the engine is not verified with (`ConfigFieldError` naming the field)."""
+    def check_optimizer(self, cfg: OptimizerConfig, schedule: Schedule = "in_backward") -> None:
+        """Refuse optimizer settings or a Sonar schedule the engine is not verified with
+        (`ConfigFieldError` naming the field)."""
         return None
+
+    def no_sync(self, run: Run) -> AbstractContextManager[None]:
+        """The context a micro-batch runs under when it is not the step's last: gradient sync off (one
+        process: nothing to sync)."""
+        return nullcontext()
 
     @abstractmethod
     def sonar(
@@ -125,13 +136,19 @@ class _Distributed(Engine):
     """What the torch.distributed engines share: the methods and settings they are verified with."""
 
     distributed: bool = True
-    methods: tuple[str, ...] | None = ("sonar", "standard", "standard_no_expert_clip")
+    methods: tuple[str, ...] | None = ("sonar", "sonar_deferred", "standard", "standard_no_expert_clip")
+    """sonar_deferred on every engine: where its schedule does not run, `check_optimizer` refuses it by
+    the one rule (`api.distributed_gap`), naming why and what to use instead."""
     hooks_on_compiled: bool = False
 
-    def check_optimizer(self, cfg: OptimizerConfig) -> None:
-        gap = api.distributed_gap(cfg, self.name)
+    def check_optimizer(self, cfg: OptimizerConfig, schedule: Schedule = "in_backward") -> None:
+        gap = api.distributed_gap(cfg, self.name, schedule)
         if gap is not None:
             raise ConfigFieldError(gap[1], field=gap[0])
+
+    def no_sync(self, run: Run) -> AbstractContextManager[None]:
+        # The DDP wrapper, or torch.compile's module around it (which forwards the attribute).
+        return run.no_sync()  # type: ignore[attr-defined]
 
     def sonar(
         self,
@@ -203,6 +220,9 @@ class FSDP2Engine(_Distributed):
         _compile_blocks(model, compiler)
         return model
 
+    def no_sync(self, run: Run) -> AbstractContextManager[None]:
+        return _fsdp2_no_sync(run)
+
 
 @dataclass(frozen=True)
 class ExpertParallelEngine(_Distributed):
@@ -241,6 +261,17 @@ class ExpertParallelEngine(_Distributed):
         dense = _grads_norm(p for p in params if id(p) not in experts)
         own = _grads_norm(p for p in params if id(p) in experts)
         return expert_parallel_norm(dense, own, torch.distributed.group.WORLD)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _fsdp2_no_sync(root: Any) -> Iterator[None]:
+    """FSDP2's accumulation without reduction: the root's gradient sync off, back on at the exit (the
+    last micro-batch then reduce-scatters the sum)."""
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
 
 
 def _grads_norm(params: Iterable[nn.Parameter]) -> torch.Tensor:

@@ -18,12 +18,16 @@ AdamW for the rest). How a method runs is one `Execution`: compiler "eager",
 or "aot_eager" / "inductor" through torch.compile; for sonar under a compiler, `sonar_pass=False`
 keeps the hooks on the compiled model instead of the graph pass. Where it runs is an `Engine`
 (`sonar_fx.engines`: one process, DDP, FSDP2, expert parallel): `build_method` is the one builder for
-every method on every engine. Never: change a method's arithmetic with the execution mode or engine.
+every method on every engine. A step of several micro-batches runs all but the last under the
+engine's `no_sync` (gradients reduced once, at the last backward) for every method that accumulates
+to the step, baselines and the deferred schedule alike: the same arithmetic on both sides of a
+comparison. Never: change a method's arithmetic with the execution mode or engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -120,6 +124,13 @@ class Method:
             return "all" if cfg.expert_clip == "global" else "dense"
         return self.clip
 
+    @property
+    def accumulates_to_step(self) -> bool:
+        """Its gradients of a step's micro-batches are summed and used at step() (baselines, the deferred
+        schedule), so an engine reduces them once, at the last backward; in-backward updates use each
+        backward's gradient as it comes."""
+        return not self.per_param_hooks and not (self.sonar and self.schedule == "in_backward")
+
     def updates_in_hooks(self, execution: Execution) -> bool:
         """Whether its in-backward updates run in post-accumulate-grad hooks (not in the graph)."""
         in_backward = self.sonar and self.schedule == "in_backward"
@@ -206,6 +217,8 @@ class TrainingMethod:
     hook_optimizers: dict[int, torch.optim.Optimizer] = field(default_factory=dict)
     expert_optimizer: torch.optim.Optimizer | None = None
     """A second end-of-step optimizer for the expert tensors (low-bit states: torchao's)."""
+    engine: Engine = SINGLE_PROCESS
+    """Where `model` runs: its `no_sync` is the accumulation context of a step's early micro-batches."""
 
     @property
     def name(self) -> str:
@@ -240,9 +253,14 @@ class TrainingMethod:
 
     def train_step(self, batch: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]]) -> Tensor:
         """One optimizer step on `batch`, or on each of a list of micro-batches (their gradients
-        accumulated, each loss divided by their number; the loss returned is their mean)."""
+        accumulated, each loss divided by their number; the loss returned is their mean). A method that
+        accumulates to the step runs every micro-batch but the last under the engine's `no_sync`."""
         micro = [batch] if isinstance(batch, Mapping) else list(batch)
-        losses = [self.forward_backward(b, len(micro)) for b in micro]
+        losses = []
+        for i, b in enumerate(micro):
+            quiet = self.kind.accumulates_to_step and i < len(micro) - 1
+            with self.engine.no_sync(self.model) if quiet else nullcontext():
+                losses.append(self.forward_backward(b, len(micro)))
         self.optimizer_step()
         return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
@@ -277,7 +295,7 @@ def build_method(
     execution = _execution(execution, compiler, sonar_pass)
     kind.check_clip(cfg)
     check_engine(engine, kind, execution)
-    engine.check_optimizer(cfg)
+    engine.check_optimizer(cfg, kind.schedule)
     if kind.sonar:
         if kind.schedule != "in_backward":
             sonar_kwargs["schedule"] = kind.schedule
@@ -285,7 +303,7 @@ def build_method(
             model, cfg, compiler=execution.compiler, sonar_pass=execution.sonar_pass,
             granularity=kind.granularity, experts=experts, **sonar_kwargs,
         )  # fmt: skip
-        return TrainingMethod(kind, execution, run, sonar)
+        return TrainingMethod(kind, execution, run, sonar, engine=engine)
     run = engine.wrap(model, execution.compiler)
     # The same split as Sonar's, taken after the engine placed the model (FSDP2 swaps in DTensors).
     biases = sonar_kwargs.get("expert_biases", DEFAULT_EXPERT_BIASES)
@@ -295,7 +313,7 @@ def build_method(
     matrices = [*matrix_params(cfg, model, found.layers), *split.expert_params]
     if kind.per_param_hooks:  # expert states stored as Sonar stores them
         hooked = _hook_every_param(split.params, cfg, matrices, {id(p) for p in split.expert_params})
-        return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked)
+        return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked, engine=engine)
     # Expert states stored unlike dense ones (low-bit): the experts get their own optimizer.
     separate = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
     optimizer = end_of_step_optimizer(
@@ -305,7 +323,9 @@ def build_method(
         rule_for(cfg, experts=True).torch_optimizer(split.expert_params, cfg) if separate else None
     )
     clip = GradClip.of(kind, cfg, split, engine)
-    return TrainingMethod(kind, execution, run, optimizer, clip, expert_optimizer=expert_optimizer)
+    return TrainingMethod(
+        kind, execution, run, optimizer, clip, expert_optimizer=expert_optimizer, engine=engine
+    )
 
 
 def check_engine(engine: Engine, method: Method, execution: Execution) -> None:

@@ -282,6 +282,23 @@ def refused_loop(rank: int, sync: str) -> dict[str, Any]:
     return {"message": message, "moved": moved, "then": differ(model, twin)}
 
 
+def users_clip(rank: int) -> dict[str, Any]:
+    """model.sonar.clip_grad_norm_ on DDP: its expert norms would be of this rank's unreduced
+    gradients, so it is refused before it clips anything; Sonar's own clip is the fix it names."""
+    model = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    run = sd.ddp(model, replace(CFG, max_grad_norm=None), schedule="deferred")
+    opt = run.sonar
+    accumulate(run, batches(2, seed=200 + rank), "last")
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    message = None
+    try:
+        opt.clip_grad_norm_(MAX_NORM)
+    except sonar_fx.SonarUsageError as err:
+        message = str(err)
+    clipped = [n for n, p in model.named_parameters() if n in grads and not torch.equal(p.grad, grads[n])]
+    return {"message": message, "clipped": clipped, "dense_grads": len(grads)}
+
+
 EXACT = [
     ("fp32", "all", "eager", 4),
     ("bf16", "all", "eager", 3),
@@ -318,6 +335,7 @@ def deferred(rank: int) -> dict[str, Any]:
     out["inf_on_one_rank"] = inf_on_one_rank(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
+    out["users_clip"] = users_clip(rank)
     return out
 
 

@@ -291,26 +291,6 @@ def inf_on_one_rank(rank: int) -> dict[str, Any]:
     }
 
 
-def grad_scaler_refused(rank: int) -> dict[str, Any]:
-    """fp16 autocast and a GradScaler, the ordinary calls: refused at step(), nothing moved."""
-    model = sonar_on("fsdp2", torch.float32, "all", "eager", (1, 2))
-    scaler = torch.amp.GradScaler("cpu")
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(**batches(1, seed=100 + rank)[0]).loss
-    scaler.scale(loss).backward()
-    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    message = None
-    try:
-        scaler.step(model.sonar)
-    except sonar_fx.SonarUsageError as err:
-        message = str(err)
-    now = dict(model.named_parameters())
-    return {
-        "message": message,
-        "moved": [n for n in before if not torch.equal(now[n].full_tensor(), before[n])],
-    }
-
-
 EXACT = [
     ("fsdp2", "fp32", "all", "eager", 4),
     ("fsdp2", "bf16", "dense", "eager", 2),
@@ -336,9 +316,12 @@ def label(
 
 
 def deferred_sharded(rank: int) -> dict[str, Any]:
-    """Every 2-rank case, in one spawn. With 4 micro-batches the tiny models' expert tensors cross over
-    (their operands outgrow the gradient), and the eager FSDP2 x EP experts are kept whole: the saving
-    is lost by design there, so the guard warns (its refusal has its own tests)."""
+    """Every 2-rank case, in one spawn (the GradScaler's from `distributed_cases_deferred_sharded_scaler`).
+    With 4 micro-batches the tiny models' expert tensors cross over (their operands outgrow the
+    gradient), and the eager FSDP2 x EP experts are kept whole: the saving is lost by design there, so
+    the guard warns (its refusal has its own tests)."""
+    from distributed_cases_deferred_sharded_scaler import grad_scaler_cases  # it imports this module
+
     os.environ[ON_SAVING_LOST_ENV] = "warn"
     out: dict[str, Any] = {}
     for case in EXACT:
@@ -349,7 +332,7 @@ def deferred_sharded(rank: int) -> dict[str, Any]:
             )
             out["control/sync_every"] = differ_full(model, twin)
     out["inf_on_one_rank"] = inf_on_one_rank(rank)
-    out["grad_scaler_refused"] = grad_scaler_refused(rank)
+    out.update(grad_scaler_cases(rank))
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     out["world"] = dist.get_world_size()

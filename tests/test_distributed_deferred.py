@@ -134,6 +134,13 @@ def test_loop_ddp_reduces_otherwise_is_refused_at_step_before_any_weight_moves(r
         assert run["then"] == [], run["then"][:3]  # zero_grad() and the no_sync() loop: exact again
 
 
+def test_model_sonar_clip_grad_norm_on_ddp_is_refused_before_it_clips(ranks):
+    for r in ranks:
+        run = r["users_clip"]
+        assert run["message"] is not None and "expert_clip='global'" in run["message"], run["message"]
+        assert run["dense_grads"] > 0 and run["clipped"] == []
+
+
 def test_the_one_rule_lets_deferred_through_only_where_a_test_shows_it_exact():
     """DDP and expert parallelism run it (the tests above; FSDP2 and FSDP2 x EP:
     test_distributed_deferred_sharded); DDP's async in-backward overlap is refused by

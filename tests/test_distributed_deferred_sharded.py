@@ -1,13 +1,16 @@
 """schedule="deferred" on FSDP2 and FSDP2 x EP, gloo processes: bitwise the plain engine (every
 parameter's `full_tensor()`) with the user's `set_requires_gradient_sync(False)` accumulation and one
-clip over every parameter (or the dense ones), the logged norm the plain clip's; or refused at step()
-before any weight moves.
+clip over every parameter (or the dense ones), the logged norm the plain clip's, fp16 autocast with a
+GradScaler (an overflow included); or refused at step() before any weight moves.
 
 One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
 and the 4-rank case have their own (slow).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import pytest
 from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, MAX_NORM, STEPS, label
@@ -77,10 +80,43 @@ def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ran
         assert run["differ"] == [], run["differ"][:3]
 
 
-def test_grad_scaler_is_refused_at_step_before_any_weight_moves(ranks):
+@pytest.mark.parametrize("grid", ["fsdp2", "ep21", "ep12"])
+def test_grad_scaler_with_overflow_equals_plain_fsdp2_with_the_scaler_and_clip(ranks, grid):
+    """fp16 autocast, fp32 weights, a GradScaler whose scale overflows every other step, the clip over
+    every parameter: bitwise the plain engine with `scaler.unscale_`, `clip_grad_norm_`, `scaler.step`
+    (every parameter's full_tensor, each step's scale), on FSDP2 and FSDP2 x EP (2x1 and 1x2 grids)."""
     for r in ranks:
-        run = r["grad_scaler_refused"]
-        assert run["message"] is not None and "GradScaler" in run["message"] and "bf16" in run["message"]
+        run = r[f"grad_scaler/{grid}"]
+        assert run["differ"] == [], run["differ"][:3]
+        ours, theirs = zip(*run["scales"], strict=True)
+        assert ours == theirs
+        assert any(b < a for a, b in itertools.pairwise(theirs)), theirs  # a step overflowed: backed off
+        stepped = [n for n in run["norms"] if math.isfinite(n[1])]
+        assert len(stepped) >= 3 and all(ours == theirs for ours, theirs in stepped), run["norms"]
+        assert all(n[1] > MAX_NORM for n in stepped)  # the clip is active on every step taken
+
+
+@pytest.mark.parametrize("grid", ["fsdp2", "ep12"])
+def test_grad_scaler_inf_in_one_ranks_expert_gradient_skips_the_step_on_every_rank(ranks, grid):
+    """The dense gradients finite, one expert gradient non-finite on rank 1 only (on the 1x2 grid no
+    other rank holds that expert): no weight moves on any rank, the scale backs off on every rank."""
+    runs = [r[f"expert_inf/{grid}"] for r in ranks]
+    for run in runs:
+        assert run["moved"][1] == [] and run["moved"][0] and run["moved"][2]
+        assert run["scales"][1] < run["scales"][0]
+    assert len({tuple(run["scales"]) for run in runs}) == 1
+
+
+def test_grad_scaler_unscale_is_recognised_but_a_users_clip_after_it_is_refused(ranks):
+    """The scaler's in-place unscale of the dense shards is a write the watch sees (unrecognised, the
+    step would be refused); `accept_unscale` recognises it, not a clip after it; and end to end, the
+    plain recipe's own clip_grad_norm_ after `scaler.unscale_` is refused at step(), nothing moved."""
+    for r in ranks:
+        watch = r["watch_under_scaler"]
+        assert watch["seen/False"] > 0 and watch["accepted/False"] and watch["left/False"] == 0
+        assert watch["seen/True"] > 0 and not watch["accepted/True"] and watch["left/True"] > 0
+        run = r["user_clip_under_scaler"]
+        assert run["message"] is not None and "clip_grad_norm_ of your own" in run["message"], run
         assert run["moved"] == []
 
 

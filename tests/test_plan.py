@@ -556,10 +556,10 @@ def test_sonicmoe_scratch_is_the_buffers_its_op_bodies_allocate():
     scratch = op_scratch("sonicmoe", cuda_block_bytes)
     forward, backward = (
         torch.ops.sonar_fx.sonicmoe_forward.default,
-        torch.ops.sonar_fx.sonicmoe_backward.default,
+        torch.ops.sonar_fx.sonicmoe_backward_act.default,
     )
     assert scratch(forward, (x, None, w_up, w_down, routing), {}) == s * n * 2 + s * d * 2  # a_Sn, y_Sd
-    assert scratch(backward, (x, x, None, w_up, w_down, h, routing), {}) == s * (2 * n + n + d) * 2
+    assert scratch(backward, (x, x, None, w_up, w_down, h, routing), {}) == s * d * 2  # dx_Sd
     assert scratch(torch.ops.aten.mm.default, (x, x), {}) == 0
     assert op_scratch("scattermoe", cuda_block_bytes)(forward, (x, None, w_up, w_down, routing), {}) == 0
 

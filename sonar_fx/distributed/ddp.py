@@ -64,24 +64,53 @@ def ddp(
             "async_reduce=True is the eager hooks' overlap; compiled graphs overlap their all-reduce already "
             "(it is waited for just before the next expert's weight gradient). Drop one of the two."
         )
-    refuse_unfit_model(model, "sonar_fx.distributed.ddp", group)
+    model = beside_ddp(
+        model, opt_cfg, group, "sonar_fx.distributed.ddp", compiler=compiler, async_reduce=async_reduce,
+        experts=experts, nonfinite=nonfinite, fallback=fallback, regional=regional, schedule=schedule,
+        **torch_compile_kwargs,
+    )  # fmt: skip
+    wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
+    wrapped.__dict__["sonar"] = api.sonar_of(model)
+    attach_ddp_wrapper(wrapped, api.sonar_of(model))
+    return wrapped
+
+
+def beside_ddp(
+    model: nn.Module,
+    opt_cfg: OptimizerConfig,
+    group: dist.ProcessGroup,
+    who: str,
+    *,
+    compiler: api.Compiler = "eager",
+    async_reduce: bool = False,
+    schedule: Schedule = "in_backward",
+    **compile_kwargs: Any,
+) -> nn.Module:
+    """`ddp` up to the wrapper, for a caller whose own code builds the DDP module (transformers'
+    Trainer, through accelerate): Sonar prepared with the reduction that averages each expert gradient
+    as DDP would, the experts kept out of any DDP built on `model` later and broadcast from rank 0.
+    Hand the wrapper to `attach_ddp_wrapper` once it exists; `compile_kwargs` go to `sonar_fx.compile`."""
+    refuse_unfit_model(model, who, group)
     # Deferred: a compiled graph keeps operands and reduces nothing; each gradient is reduced at step().
     in_graph: Literal["update", "all_reduce"] = "update" if schedule == "deferred" else "all_reduce"
     reduction = (AsyncMeanAllReduce if async_reduce else MeanAllReduce)(group, in_graph=in_graph)
-    model = api.compile(
-        model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
-        regional=regional, distributed=reduction, schedule=schedule, **torch_compile_kwargs,
-    )  # fmt: skip
+    model = api.compile(model, opt_cfg, compiler=compiler, distributed=reduction, schedule=schedule,
+                        **compile_kwargs)  # fmt: skip
     optimizer = api.sonar_of(model)
-    names = expert_names(optimizer)
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names(optimizer))
     broadcast_experts_(optimizer, group)
-    wrapped = SonarDDP(model, process_group=group, **(ddp_kwargs or {}))
-    wrapped.__dict__["sonar"] = optimizer
-    reduction.wrapper = wrapped  # expert_clip="global" replays its forward without DDP's reducer
+    return model
+
+
+def attach_ddp_wrapper(wrapped: DistributedDataParallel, optimizer: SonarOptimizer) -> None:
+    """Give the reduction of `beside_ddp` the DDP module of the dense parameters: expert_clip="global"
+    replays its forward without DDP's reducer, the in-backward updates read whether DDP syncs this
+    backward, and the deferred step which micro-batches it synced (each forward, recorded)."""
+    reduction = optimizer.distributed
+    assert isinstance(reduction, MeanAllReduce)  # set by beside_ddp
+    reduction.wrapper = wrapped
     if optimizer.schedule == "deferred":  # the step checks that DDP synced its last micro-batch only
         reduction.forward_syncs = watch_forward_syncs(wrapped, optimizer)
-    return wrapped
 
 
 class SonarDDP(DistributedDataParallel):

@@ -325,13 +325,10 @@ class ShardedDeferred:
         return bool(self.syncs.synced) and self.syncs.synced[-1] is False
 
     def at_step(self) -> StepReduce:
-        if scaler_step(self.optimizer) is not None:
-            raise SonarUsageError(
-                "schedule='deferred' on FSDP2 under a GradScaler is not supported yet: the scaler unscales "
-                "the dense DTensor shards in place before step(), which Sonar cannot yet tell from a clip of "
-                "the user's, and no test shows the experts' verdict exact across ranks there. Refused at "
-                "step(), before any weight moved. Train in bf16 (no scaler), or with the default schedule."
-            )
+        scaler = scaler_step(self.optimizer)
+        if scaler is not None:  # it unscaled the dense shards in place before calling step(): its write,
+            # not a clip of the user's (one after the unscale still shows, and is refused by the watch)
+            self.optimizer.grad_watch.accept_unscale(self.optimizer.dense_params(), scaler.inv_scale)
         refuse_unmatched_gradient_syncs(self.syncs)  # before any weight moves
         return step_reduce(self.experts, self.param_of)
 

@@ -25,6 +25,10 @@ model with the graph pass; default "eager", as the Trainer runs it).
 - Clipping, exactly once: deferred, by Sonar's `step()` (one global norm over every parameter with the
   Trainer's `max_grad_norm`; the Trainer's own clip is switched off, and the norm it logs is Sonar's);
   in-backward, by the Trainer (Sonar's clip off: a second clip is not a no-op).
+- Under torchrun (the Trainer's own DDP, built by accelerate): the model is prepared beside DDP as
+  `sonar_fx.distributed.ddp` prepares it, and Sonar takes the Trainer's DDP module once it exists
+  (`sonar_fx.integrations.hf_ddp`); the Trainer's FSDP, DeepSpeed and one-process DataParallel are
+  refused.
 - Checkpoints: the Trainer's own, with `optimizer.pt` and `scheduler.pt` in the plain Trainer's layout
   (dense and expert moments and steps in its decay / no-decay groups), so either Trainer resumes the
   other's checkpoint bitwise (`sonar_fx.integrations.hf_checkpoint`); expert weights that
@@ -56,6 +60,12 @@ from sonar_fx.integrations.hf_checkpoint import (
     load_either_layout,
     save_in_trainer_layout,
     trainer_groups,
+)
+from sonar_fx.integrations.hf_ddp import (
+    attach_to_trainer_ddp,
+    prepare_beside_trainer_ddp,
+    refuse_one_process_model,
+    trainer_engine,
 )
 from sonar_fx.integrations.hf_deferred import DeferredStep, norm_over_every_parameter
 from sonar_fx.optim.optimizer import Schedule, SonarOptimizer
@@ -149,9 +159,12 @@ def prepare_for_trainer(
 ) -> nn.Module:
     """`sonar_fx.compile` `model` so that it trains as the Trainer would with `args` (the schedule of
     `trainer_schedule`, the config of `sonar_config`). `compiler="eager"`: hooks, no torch.compile, as
-    the Trainer runs a model by default; "aot_eager" or "inductor": the graph pass."""
+    the Trainer runs a model by default; "aot_eager" or "inductor": the graph pass. Under torchrun,
+    beside the DDP module the Trainer will build (`sonar_fx.integrations.hf_ddp`)."""
     schedule = trainer_schedule(args)
     cfg = sonar_config(args, schedule, model=model, decay_names=decay_names)
+    if trainer_engine(args) == "ddp":
+        return prepare_beside_trainer_ddp(model, cfg, args.device, compiler=compiler, schedule=schedule)
     return sonar_compile(model, cfg, compiler=compiler, schedule=schedule)  # type: ignore[arg-type]
 
 
@@ -166,6 +179,8 @@ def check_trainer_setup(
     `decay_names`: what the Trainer decays (default: `trainer_decay_names(model)`)."""
     refuse_other_optim(args)
     refuse_torch_compile(args)
+    if trainer_engine(args) == "ddp":
+        refuse_one_process_model(optimizer)
     if optimizer.schedule == "deferred":
         _check_deferred_clip(args, optimizer)
     else:
@@ -326,6 +341,7 @@ class SonarTrainerMixin:
         if training_args is not None:  # before anything is prepared or handed to accelerate
             refuse_other_optim(training_args)
             refuse_torch_compile(training_args)  # accelerate would fail on it
+            trainer_engine(training_args)  # FSDP, DeepSpeed, DataParallel: refused
         model = kwargs.get("model", args[0] if args else None)
         if isinstance(model, nn.Module) and not isinstance(getattr(model, "sonar", None), SonarOptimizer):
             if training_args is None:
@@ -380,6 +396,15 @@ class SonarTrainerMixin:
         self._check_setup()
         trainer.optimizer = self.sonar
         return self.sonar
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's preparation (accelerate wraps the model); under torchrun, Sonar then takes the
+        DDP module it built, before the first step."""
+        prepared = super()._prepare_for_training(*args, **kwargs)  # type: ignore[misc]
+        trainer: Any = self
+        if trainer_engine(trainer.args) == "ddp":
+            attach_to_trainer_ddp(trainer.model_wrapped, trainer.model, self.sonar)
+        return prepared
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor | None:
         if self.sonar.schedule == "deferred":

@@ -6,7 +6,8 @@ the order backward produced them, for any number of backwards. At `step()` each 
 computed from them (the same ops on the same operands) and summed in that order, which is what
 autograd's accumulation computes, bit for bit; so the step sees the facts of the whole step first:
 - the global norm over ALL gradients (expert_clip="global"): a first pass computes, takes the norm of
-  and frees each expert gradient; the update pass computes it again;
+  and frees each expert gradient; the update pass computes it again (unless the keep budget let the
+  first pass keep it: `keep_budget`);
 - a GradScaler's verdict: every expert gradient is unscaled and checked before any weight moves;
 - gradient accumulation: the micro-batches' operands, summed at the step.
 Kept per backward (autograd's graph task): within one backward the contributions to a weight are
@@ -336,6 +337,14 @@ class DeferredGrads:
         if grad is not None:
             groups = [[grad], *groups]
         return _accumulate(groups, param, own=consume, before_piece=_after_first(before_second))
+
+    def discard(self, param: Tensor) -> None:
+        """Drop `param`'s kept contributions uncomputed: the keep budget holds its gradient
+        (`keep_budget.KeptGradients`)."""
+        pending = self.kept.pop(id(param), None)
+        if pending is not None:
+            self.live_bytes -= pending.nbytes()
+            self._uncount(pending)
 
     def clear(self) -> None:
         """Drop every kept contribution (`zero_grad`)."""

@@ -12,7 +12,9 @@ before any weight moves, naming what to use instead:
   last step with no zeroing since is refused, as is a second `step()` after one backward.
 - a change to dense gradients after backward (the user's own `clip_grad_norm_`, accelerate's): refused;
   `clip_grad_norm_` here is the habit served exactly: the norm over every parameter, bitwise
-  `torch.nn.utils.clip_grad_norm_`'s, and the step clips every expert gradient by it.
+  `torch.nn.utils.clip_grad_norm_`'s, and the step clips every expert gradient by it. Its norm pass
+  keeps computed gradients within the keep budget for the step's update pass, as the step's own norm
+  pass does (`keep_budget.KeptGradients`).
 It never updates a weight; it only watches, refuses, and records the user's clip for `step()`.
 """
 
@@ -29,10 +31,12 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 
 if TYPE_CHECKING:  # the deferred step imports this module
     from sonar_fx.optim.grad_watch import DenseGradWatch
+    from sonar_fx.optim.nonfinite import NonFinitePolicy
     from sonar_fx.optim.step_tracker import StepTracker
     from sonar_fx.runtime.meter import ExpertGradMeter
 
@@ -89,7 +93,8 @@ def backward_began(opt: LoopOptimizer) -> None:
     if opt.schedule != "deferred":
         return
     loop, store = opt.loop, opt.deferred
-    if store.kept and loop.after_backward and not _survivors(opt.dense_params(), loop.after_backward):
+    reset = bool(loop.after_backward) and not _survivors(opt.dense_params(), loop.after_backward)
+    if reset and _keeps_gradients(opt):
         loop.unseen_reset = True
     shown, loop.shown = loop.shown, None
     if shown is not None and shown.grad is not None:
@@ -122,8 +127,10 @@ class LoopOptimizer(Protocol):
     """What this module reads of `SonarOptimizer` (which imports it, not the reverse)."""
 
     cfg: OptimizerConfig
-    deferred: Any  # deferred.DeferredGrads (which imports this module)
+    deferred: Any  # deferred.DeferredGrads
+    kept_grads: KeptGradients
     loop: DeferredLoop
+    nonfinite_policy: NonFinitePolicy
     clipper: ExpertClipper
     grad_watch: DenseGradWatch
     tracker: StepTracker
@@ -144,12 +151,18 @@ class LoopOptimizer(Protocol):
     def dense_name(self, param: Tensor) -> str: ...
 
 
+def _keeps_gradients(opt: LoopOptimizer) -> bool:
+    """Expert gradients of this step are kept: as operands, or computed by the user's clip within the
+    keep budget (their operands dropped)."""
+    return bool(opt.deferred.kept) or opt.kept_grads.holds_any()
+
+
 def refuse_before_step(opt: LoopOptimizer, *, scaled: bool) -> None:
     """Refuse, before any weight moves, a step whose expert gradients are not what plain torch would
     apply (see the module docstring). `scaled`: a GradScaler is stepping this optimizer."""
     dense, loop = opt.dense_params(), opt.loop
     reset_after_backward = bool(loop.after_backward) and not _survivors(dense, loop.after_backward)
-    if opt.deferred.kept and (loop.unseen_reset or reset_after_backward):
+    if _keeps_gradients(opt) and (loop.unseen_reset or reset_after_backward):
         raise SonarUsageError(
             "every dense gradient was reset after a backward whose expert gradients Sonar keeps (a "
             "zero_grad() Sonar did not see: a wrapper module's, or each .grad set to None by hand): "
@@ -190,8 +203,9 @@ def refuse_before_step(opt: LoopOptimizer, *, scaled: bool) -> None:
 @torch.no_grad()
 def clip_grad_norm_(opt: LoopOptimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` over every parameter, for the deferred schedule: the total norm
-    (each expert gradient computed from its kept contributions, its norm taken, then freed), the dense
-    gradients clipped now, the experts at `step()` by the same coefficient. Returns the total norm."""
+    (each expert gradient computed from its kept contributions, its norm taken, then freed or kept
+    within the keep budget: `_expert_norms`), the dense gradients clipped now, the experts at `step()`
+    by the same coefficient. Returns the total norm."""
     if opt.schedule != "deferred":
         raise SonarUsageError(
             "model.sonar.clip_grad_norm_ needs schedule='deferred': the in-backward schedule has updated "
@@ -208,20 +222,21 @@ def clip_grad_norm_(opt: LoopOptimizer, max_norm: float, norm_type: float = 2.0)
         raise SonarUsageError(
             "model.sonar.clip_grad_norm_ was called twice before step(): clip once per step."
         )
+    if getattr(opt, "distributed", None) is not None:
+        raise SonarUsageError(
+            "model.sonar.clip_grad_norm_ on a distributed engine: the expert gradients it would take the "
+            "norm of are this rank's, before the engine reduces them, so the norm would not be the one "
+            "clip_grad_norm_ computes on the plain engine. Refused before any gradient was clipped. Let "
+            "Sonar clip at step() instead: max_grad_norm=<max_norm>, expert_clip='global' in the config "
+            "(one norm over every parameter of every rank, as the engine's clip_grad_norm_ returns it)."
+        )
     order = opt.model_order()
     dense = [p for p in opt.dense_params() if p.grad is not None]
     norms: dict[int, Tensor] = {}
     if dense:
         grads = [p.grad for p in dense if p.grad is not None]
         norms.update(zip(map(id, dense), torch._foreach_norm(grads, norm_type), strict=True))
-    expert_norms = {}
-    for p in opt.experts.params:  # weight-decay splits included
-        grad = opt.deferred.gradient(p, consume=False) if opt.deferred.has(p) else None
-        if grad is not None:  # in the parameter's layout, as autograd's .grad: the norm's own bits
-            norms[id(p)] = expert_norms[opt.expert_name(p)] = torch._foreach_norm(
-                [grad_like_param(p, grad)], norm_type
-            )[0]
-            del grad
+    expert_norms = _expert_norms(opt, norms, norm_type)
     if not norms:
         return torch.tensor(0.0)
     total = total_norm([norms[pid] for pid in sorted(norms, key=order.__getitem__)], norm_type)
@@ -234,6 +249,62 @@ def clip_grad_norm_(opt: LoopOptimizer, max_norm: float, norm_type: float = 2.0)
     current.total = plain(total)
     opt.loop.clip = UserClip(total, coef, opt.tracker.backwards)
     return total
+
+
+def _expert_norms(opt: LoopOptimizer, norms: dict[int, Tensor], norm_type: float) -> dict[str, Tensor]:
+    """Each expert gradient's norm (into `norms` by id, and returned by name): computed from its kept
+    contributions, counted on the meter while alive, then freed, or kept for the update pass within
+    the keep budget, in the order the update pass reaches them (`keep_budget.KeptGradients`; its
+    operands dropped: no scaler here, `refuse_before_step` refuses one). Not under nonfinite="skip":
+    the step's own verdict pass computes every gradient again, and keeps within the budget itself."""
+    store, kept = opt.deferred, opt.kept_grads
+    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]  # weight-decay splits too
+    budgeted = opt.nonfinite_policy.mode != "skip"
+    if budgeted:
+        kept.begin(experts, store)
+    expert_norms = {}
+    for p in experts:
+        name, key = opt.expert_name(p), object()  # a key of its own: a held gradient stays under `p`
+        grad = _norm_pass_gradient(opt, p, key)
+        if grad is None:
+            continue
+        norms[id(p)] = expert_norms[name] = torch._foreach_norm([grad], norm_type)[0]
+        if not (budgeted and kept.keep(p, name, grad, key, store, drop=True)):
+            opt.meter.freed(key)
+        del grad
+    if budgeted:
+        kept.finish()
+    return expert_norms
+
+
+def _norm_pass_gradient(opt: LoopOptimizer, p: Tensor, key: object) -> Tensor | None:
+    """`p`'s gradient in its layout (as autograd's `.grad`: the norm's own bits), counted on the meter
+    under `key` as the step's norm pass counts it (`deferred_step._step_gradient`): with a summed
+    piece or a layout copy's source alive beside it for a moment. A gradient the step holds as one
+    tensor already (crossed over) is read in place: only a layout copy of it is new."""
+    store, meter = opt.deferred, opt.meter
+    nbytes = p.numel() * p.element_size()
+    raw = store.held(p)
+    if raw is None:
+        meter.appeared(key, nbytes)
+        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
+            _alive_for_a_moment(meter, nbytes)
+        raw = store.gradient(p, consume=False)
+        if raw is None:
+            meter.freed(key)
+            return None
+    grad = grad_like_param(p, raw)
+    if grad is not raw:  # a layout copy, with its source beside it for a moment
+        meter.appeared(key, nbytes)
+        if raw is not store.held(p):
+            _alive_for_a_moment(meter, nbytes)
+    return grad
+
+
+def _alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
+    temporary = object()
+    meter.appeared(temporary, nbytes)
+    meter.freed(temporary)
 
 
 class ZeroGradWithKept:

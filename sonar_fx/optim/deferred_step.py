@@ -2,8 +2,9 @@
 every parameter, nonfinite="skip"), then the dense step, then each expert gradient computed from its
 kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it, clipped, updated and
 freed in turn: its reduction runs while the next one is computed (`deferred_pipeline`), so at most two
-are alive at once. The arithmetic of the kept contributions is `deferred`'s; this module only orders
-the passes and counts what each holds alive (`_step_gradient`).
+are alive at once (or, within the keep budget, taken as the first pass kept them: `keep_budget`). The
+arithmetic of the kept contributions is `deferred`'s; this module only orders the passes and counts
+what each holds alive (`_step_gradient`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.deferred_pipeline import pipelined
+from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
-from sonar_fx.optim.reduction import StepReduce, step_reduction
+from sonar_fx.optim.reduction import Reduced, StepReduce, step_reduction
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 
@@ -33,6 +35,7 @@ class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protoco
     cfg: OptimizerConfig
     clipper: ExpertClipper
     deferred: DeferredGrads
+    kept_grads: KeptGradients
     loop: deferred_loop.DeferredLoop
     param_groups: list[dict[str, Any]]
     meter: ExpertGradMeter
@@ -57,7 +60,7 @@ def step(opt: SonarOptimizer) -> None:
     the dense step, then each expert computed, clipped, updated and freed in turn."""
     store = opt.deferred
     reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
-    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]
+    experts: list[Tensor] = [p for p in opt.experts.params if store.has(p) or opt.kept_grads.holds(p)]
     store.note_whole([opt.expert_name(p) for p in experts if store.arrived_whole(p)])
     for p in experts:  # before any weight moves (the dense step's included): a model cast after its
         opt.check_deferred(opt.expert_name(p), p, p.grad)  # state was made is refused, not half-stepped
@@ -72,8 +75,10 @@ def step(opt: SonarOptimizer) -> None:
     skip_whole = opt.nonfinite_policy.mode == "skip"
     if scaler is not None or clip_all or skip_whole:
         found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
-        if scaler is not None and found_inf is not None and found_inf.item():
-            scaler.report_inf(found_inf)  # the scaler skips the step as if it had seen it: so do we
+        # One verdict on every rank: a rank holding other experts (expert parallelism) saw other infs.
+        if scaler is not None and opt._any_rank(found_inf is not None and bool(found_inf.item())):
+            scaler.report_inf(torch.ones(()))  # the scaler skips the step as if it had seen it: so do we
+            opt.kept_grads.clear()
             opt.clipper.abandon()
             return
         if clip_all and global_clip._global_norm(opt) is None:
@@ -88,6 +93,7 @@ def step(opt: SonarOptimizer) -> None:
     opt.dense_step()
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
         store.clear()
+        opt.kept_grads.clear()
         for group in opt.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -98,10 +104,16 @@ def step(opt: SonarOptimizer) -> None:
         for p in experts:
             name = opt.expert_name(p)
             path = "kept" if store.arrived_whole(p) else "deferred"
-            grad = _step_gradient(opt, p, consume=True, key=p, make_room=line.make_room)
-            # The engine's reduction (DDP: the mean over ranks), started; the update waits for it.
-            line.started(reduce(name, grad), partial(_update, opt, p, name, path, scaler, unscaled))
-            del grad  # the flight holds it until its update, which frees it
+            update = partial(_update, opt, p, name, path, scaler, unscaled)
+            kept = opt.kept_grads.take(p, store)  # the norm pass's, reduced and unscaled: not computed again
+            if kept is not None:
+                line.started(Reduced(kept), update)
+            else:
+                grad = _step_gradient(opt, p, consume=True, key=p, make_room=line.make_room)
+                # The engine's reduction (DDP: the mean over ranks), started; the update waits for it.
+                line.started(reduce(name, grad), update)
+                del grad  # the flight holds it until its update, which frees it
+            del kept
             names.append(name)
     store.overlapped += line.overlapped
     err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
@@ -149,11 +161,13 @@ def _first_pass(
     reduce: StepReduce,
 ) -> Tensor | None:
     """Compute each expert gradient once, unscale and check it (scaler; not those in `unscaled`, ids of
-    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it.
+    gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it,
+    or keep it for the update pass within the keep budget (`keep_budget`; its id joins `unscaled`).
     Returns the experts' inf verdict (scaler only)."""
     found_inf = None
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
+    opt.kept_grads.begin(experts, opt.deferred)
     with pipelined() as line:  # each reduction runs while the next gradient is computed
         for p in experts:
             key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
@@ -163,32 +177,45 @@ def _first_pass(
             grad = _step_gradient(
                 opt, p, consume=False, key=key, read_only=in_place, make_room=line.make_room
             )
-            name = opt.expert_name(p)  # the engine's reduction, started; the norm and verdict wait for it
             checks = (scaler, found_inf) if unscale else (None, None)
-            line.started(reduce(name, grad), partial(_check, opt, name, key, *checks, clip_all))
+            # The engine's reduction, started; the norm, verdict and keep wait for it.
+            line.started(
+                reduce(opt.expert_name(p), grad),
+                partial(_check, opt, p, key, *checks, clip_all, unscaled, scaler is None),
+            )
             del grad
+    opt.kept_grads.finish()
     opt.deferred.overlapped += line.overlapped
     return found_inf
 
 
 def _check(
     opt: SonarOptimizer,
-    name: str,
+    p: Tensor,
     key: object,
     scaler: ScalerStep | None,
     found_inf: Tensor | None,
     clip_all: bool,
+    unscaled: set[int],
+    drop: bool,
     grad: Tensor,
 ) -> None:
     """The first pass's end of one expert: unscale and check it (a scaler's; `found_inf`: its verdict so
-    far), record its norm (global clip), free it."""
+    far), record its norm (global clip), then keep it for the update pass within the keep budget (its
+    id joins `unscaled`) or free it."""
+    name = opt.expert_name(p)
+    kept = False
     try:
         if scaler is not None and found_inf is not None:
             scaler.unscale_(grad, found_inf)
         if clip_all:
             opt.clipper.norm_of(name, grad)
+        kept = opt.kept_grads.keep(p, name, grad, key, opt.deferred, drop=drop)
     finally:
-        opt.meter.freed(key)
+        if kept:
+            unscaled.add(id(p))  # (kept unscaled: the update pass must not unscale it again)
+        else:
+            opt.meter.freed(key)
 
 
 def _step_gradient(

@@ -10,7 +10,11 @@ the user frees is not kept alive. A DTensor gradient (FSDP2's shards) is the exc
 run below autograd on its local tensor and bump no version counter, so its snapshot also keeps the
 norm of its local shard (one norm pass over this rank's dense shards per backward), and a gradient
 whose shard norm differs at `step()` was written (a write that changes no value, e.g. a clip by 1.0,
-changes no training either). It only looks; it never changes a gradient.
+changes no training either). A GradScaler's unscale writes those shards too (its kernel bumps no
+version counter either), and a deferred step it calls must tell that write from a clip: the snapshot
+also keeps each shard's largest magnitude, which the unscale maps exactly (`x * inv_scale` rounded is
+monotone in |x|), while a clip (a factor below 1) shrinks it (`accept_unscale`). It only looks; it
+never changes a gradient.
 """
 
 from __future__ import annotations
@@ -39,6 +43,27 @@ def shard_norms(params: Sequence[Tensor]) -> ShardNorms:
         return {}
     norms = torch._foreach_norm([p.grad._local_tensor for p in sharded])  # type: ignore[union-attr]
     return dict(zip(map(id, sharded), norms, strict=True))
+
+
+def shard_peaks(params: Sequence[Tensor]) -> ShardNorms:
+    """The largest magnitude in each DTensor gradient's local shard (its inf-norm, exact in any dtype;
+    an empty shard, which FSDP2's padding can leave a rank, has none and nothing to write)."""
+    sharded = [
+        p for p in params
+        if p.grad is not None and hasattr(p.grad, "_local_tensor") and p.grad._local_tensor.numel()
+    ]  # fmt: skip
+    if not sharded:
+        return {}
+    peaks = torch._foreach_norm([p.grad._local_tensor for p in sharded], float("inf"))  # type: ignore[union-attr]
+    return dict(zip(map(id, sharded), peaks, strict=True))
+
+
+def unscaled_peak(peak: Tensor, inv_scale: Tensor) -> Tensor:
+    """What GradScaler's unscale kernel makes of a shard's largest magnitude: its own arithmetic on
+    that element (`val * inv_scale` in fp32, cast back; an inv_scale of 1 leaves it), and rounding
+    preserves the order of magnitudes, so it is the largest magnitude of the unscaled shard."""
+    inv = inv_scale.to(device=peak.device, dtype=torch.float32)
+    return peak if bool(inv == 1) else (peak.float() * inv).to(peak.dtype)
 
 
 def rewritten(params: Sequence[Tensor], before: ShardNorms) -> list[Tensor]:
@@ -70,13 +95,35 @@ class DenseGradWatch:
         self.after_backward: Snapshot | None = None
         self.after_step: Snapshot = {}
         self.shards_after_backward: ShardNorms = {}
+        self.peaks_after_backward: ShardNorms = {}
 
     def backward_finished(self, params: Sequence[Tensor]) -> None:
         self.after_backward = snapshot(params)
         self.shards_after_backward = shard_norms(params)
+        self.peaks_after_backward = shard_peaks(params)
 
     def step_finished(self, params: Sequence[Tensor]) -> None:
         self.after_step, self.after_backward, self.shards_after_backward = snapshot(params), None, {}
+        self.peaks_after_backward = {}
+
+    def accept_unscale(self, params: Sequence[Tensor], inv_scale: Tensor) -> bool:
+        """A GradScaler unscaled the dense gradients by `inv_scale` since the last backward (its `step()`
+        calls ours): where every DTensor shard's largest magnitude is exactly what that unscale makes of
+        the one at backward's end, take the shards as they are now for the baseline (the unscale is not
+        the user's clip) and return True. Otherwise change nothing and return False: a clip after the
+        unscale shrank a shard's peak, and `changed_since_backward` still names it."""
+        if self.after_backward is None:
+            return False
+        before, now = self.peaks_after_backward, shard_peaks(params)
+        common = [pid for pid in now if pid in before]
+        if common:
+            expected = torch.stack([unscaled_peak(before[pid], inv_scale).float() for pid in common])
+            seen = torch.stack([now[pid].float() for pid in common])  # (exact: fp16/bf16 fit in fp32)
+            if not bool(((seen == expected) | (seen.isnan() & expected.isnan())).all()):
+                return False
+        self.shards_after_backward = shard_norms(params)
+        self.peaks_after_backward = now
+        return True
 
     def changed_since_backward(self, params: Sequence[Tensor]) -> list[Tensor]:
         """Dense tensors whose gradient was written or replaced after the last backward ended (none

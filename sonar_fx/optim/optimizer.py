@@ -42,6 +42,7 @@ from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.dense_step import dense_step
 from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.group_checks import refuse_before_update, refuse_group_edits
+from sonar_fx.optim.keep_budget import KeptGradients, check_keep_budget
 from sonar_fx.optim.nonfinite import NONFINITE, NonFinite, NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
 from sonar_fx.optim.param_groups import build_param_groups
@@ -100,6 +101,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         )
         self._set_rules(cfg)
         refuse_unsupported(cfg, self.expert_rule.name, granularity, accumulation, schedule)
+        check_keep_budget(cfg, schedule, distributed, [t.param for la in expert_layers for t in la.tensors])
         self.expert_rule.check_experts(expert_layers)
         self.cfg = cfg
         self.granularity = granularity
@@ -130,6 +132,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.grad_watch = DenseGradWatch()
         self.meter = ExpertGradMeter()
         self.deferred = DeferredGrads(meter=self.meter)
+        self.kept_grads = KeptGradients(self.cfg.keep_budget, self.meter)  # the norm pass's, for `step()`
         self.loop = deferred_loop.DeferredLoop()  # what the loop did to gradients, for the deferred step
         self.steps_ended = 0
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
@@ -404,6 +407,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
         super().zero_grad(set_to_none)
         self.deferred.clear()
+        self.kept_grads.clear()
         self.loop.zero_grad()
         if set_to_none:  # what the meter counts alive was in `.grad` or kept, freed now
             self.meter.forget()
@@ -464,7 +468,7 @@ class SonarOptimizer(torch.optim.Optimizer):
             "expert_grad_bytes": expert_grad_bytes(self.meter, self.expert_layers),
         }
         if self.schedule == "deferred":
-            saving["deferred"] = self.deferred.report()
+            saving["deferred"] = {**self.deferred.report(), **self.kept_grads.report()}
         return report(settings, self.stats, self.tracker, saving)
 
     def grad_norms(self) -> dict[str, Any]:

@@ -127,7 +127,18 @@ class GradReduction(Protocol):
 
 def step_reduction(reduction: GradReduction | None) -> StepReduce:
     """The deferred step's reduction of each computed expert gradient: the engine's (`at_step`), or
-    none in one process."""
+    none in one process (with several processes and no engine set up: refused, before any weight
+    moves, as `refuse_unreduced` refuses an in-backward update)."""
+    world = running_world_size()
+    if reduction is None and world > 1:
+        raise SonarUsageError(
+            f"schedule='deferred': torch.distributed runs {world} processes, but this model was prepared "
+            "for one (sonar_fx.compile / prepare), so each expert gradient computed at step() would be this "
+            "rank's own and each rank's copy would move differently (a DDP wrapper added after prepare "
+            "holds the experts in its buckets too). Refused at step(), before any weight moved. Build it "
+            "with sonar_fx.distributed (ddp, expert_parallel, fsdp2 or fsdp2_ep, schedule='deferred') on the "
+            "unwrapped model; call optimizer.zero_grad() to drop this step."
+        )
     return _as_computed if reduction is None else reduction.at_step()
 
 

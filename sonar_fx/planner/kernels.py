@@ -10,9 +10,10 @@ autograd saves (`ctx.save_for_backward`), from the backend's own code.
 What a fake kernel cannot show is what the real op allocates and frees inside itself. For the
 project's ScatterMoE kernels that is nothing (`triton_kernels.py` writes into the op's output). For
 sonic-moe the op bodies in `sonar_fx/experts/kernels/sonicmoe.py` allocate, besides their outputs,
-`a_Sn` and `y_Sd` in the forward and `dh_S2n`, `a_prime_Sn` and `dx_Sd` in the backward, all alive
-until the op returns: `op_scratch` counts them (sonic-moe's kernels themselves are documented to write
-into these buffers; any workspace of their own is not modelled).
+`a_Sn` and `y_Sd` in the forward and `dx_Sd` in the backward's input-gradient op, all alive until the
+op returns (`dh_S2n` and `a_prime_Sn` are that op's outputs, read by the weight-gradient ops):
+`op_scratch` counts them (sonic-moe's kernels themselves are documented to write into these buffers;
+any workspace of their own is not modelled).
 Never: run a backend's real kernels (no package or GPU is needed to plan one).
 """
 
@@ -59,17 +60,16 @@ def op_scratch(kernels: str, round_bytes: Callable[[int], int]) -> Callable[[Any
     if kernels != "sonicmoe":
         return lambda func, args, kwargs: 0
     forward = torch.ops.sonar_fx.sonicmoe_forward.default
-    backward = torch.ops.sonar_fx.sonicmoe_backward.default
+    backward = torch.ops.sonar_fx.sonicmoe_backward_act.default
 
     def scratch(func: Any, args: Any, kwargs: dict[str, Any]) -> int:
         if func is forward:  # (x_Td, scores_S, w_up, w_down, routing, ...): a_Sn, y_Sd
             x, w_down, routing = args[0], args[3], args[4]
             s, d, n, size = routing[1].shape[0], x.shape[1], w_down.shape[2], x.element_size()
             return round_bytes(s * n * size) + round_bytes(s * d * size)
-        if func is backward:  # (dout, x_Td, scores, w_up, w_down, h_S2n, routing, ...): dh, a_prime, dx_Sd
-            x, w_down, h = args[1], args[4], args[5]
-            s, d, n, size = h.shape[0], x.shape[1], w_down.shape[2], x.element_size()
-            return round_bytes(s * 2 * n * size) + round_bytes(s * n * size) + round_bytes(s * d * size)
+        if func is backward:  # (dout, x_Td, scores, w_up, w_down, h_S2n, routing, ...): dx_Sd
+            x, h = args[1], args[5]
+            return round_bytes(h.shape[0] * x.shape[1] * x.element_size())
         return 0
 
     return scratch

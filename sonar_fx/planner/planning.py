@@ -23,8 +23,9 @@ from sonar_fx.config import AdamWConfig, OptimizerConfig
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import Method
-from sonar_fx.planner.device import GPU, GPUS
+from sonar_fx.planner.device import GPU, GPUS, RESERVE_FRACTION
 from sonar_fx.planner.fake import PlanError
+from sonar_fx.planner.keep import KeepChoice, choose_keep_budget
 from sonar_fx.planner.kernels import KERNELS
 from sonar_fx.planner.models import ModelSource, model_source
 from sonar_fx.planner.modes import Crossover, Semantics, crossover, norm_pass_flops, semantics, top_k_of
@@ -76,6 +77,14 @@ class MethodPlan:
     extra_gemm_flops: int | None = None
     """The deferred schedule with the all-parameter clip: FLOPs of its extra weight-gradient GEMMs per
     step (`modes.norm_pass_flops`); None for other methods."""
+    recomputed_share: float | None = None
+    """The deferred schedule with the all-parameter clip: share of the gradient bytes its norm pass
+    computed that the update pass computes again (1.0 at keep budget 0; None for other methods)."""
+    held_grad_bytes: int | None = None
+    """The same: gradients held whole past their crossover (never computed twice; counted against a
+    keep budget)."""
+    keep: KeepChoice | None = None
+    """The same, with a memory budget: the largest keep budget whose step fits it (`keep`)."""
 
     @property
     def transient_bytes(self) -> int:
@@ -146,7 +155,9 @@ class Plan:
              **(dataclasses.asdict(m.semantics) if m.semantics is not None else {}),
              "kept_operand_bytes": m.kept_operand_bytes, "crossed_over": list(m.crossed_over),
              "kept_whole": list(m.kept_whole), "fits": m.fits,
-             "extra_gemm_flops": m.extra_gemm_flops, "extra_gemm_ms": self.extra_gemm_ms(m)}
+             "extra_gemm_flops": m.extra_gemm_flops, "extra_gemm_ms": self.extra_gemm_ms(m),
+             "recomputed_share": m.recomputed_share, "held_grad_bytes": m.held_grad_bytes,
+             "keep": m.keep.to_json() if m.keep is not None else None}
             for m in self.methods
         ]  # fmt: skip
         return out
@@ -181,8 +192,9 @@ def plan(
     _check_request(batch, seq, device, methods, cfg, grad_accum)
     card = _gpu(gpu, device, budget, kernels)
     budget_bytes = (
-        card.usable_bytes if card is not None else parse_bytes(budget) if budget is not None else None
-    )
+        card.usable_bytes if card is not None else free_cuda_bytes() if budget == "auto"
+        else parse_bytes(budget) if budget is not None else None
+    )  # fmt: skip
     rank = layout(parallel, world, methods)
     source = model_source(model_or_config)
     source = rank.source(source) if rank is not None else source
@@ -206,10 +218,9 @@ def plan(
         meaning = semantics(name, base, method_cfg)
         buckets = rank.bucket_bytes(run.model, sonar=Method.named(base).sonar) if rank is not None else 0
         mine = _plan_method(run, batch, seq, device, budget_bytes, meaning, buckets)
-        if base == "sonar_deferred" and method_cfg.expert_clip == "global" and top_k:
-            computed = mine.crossed_over + mine.kept_whole  # their gradients are kept: nothing recomputed
-            flops = norm_pass_flops(layers, top_k, batch * seq * grad_accum, computed)
-            mine = dataclasses.replace(mine, extra_gemm_flops=flops)
+        if base == "sonar_deferred" and method_cfg.expert_clip == "global":
+            keep_budget = None if budget_bytes is None else budget_bytes - buckets  # (buckets: a rank's DDP)
+            mine = _with_norm_pass(mine, run, layers, top_k, (batch, seq, device, keep_budget))
         planned.append(mine)
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
@@ -250,6 +261,43 @@ def _gpu(name: str | None, device: str, budget: int | str | None, kernels: str) 
     return GPUS[name]
 
 
+def _with_norm_pass(
+    mine: MethodPlan,
+    run: MethodRun,
+    layers: list[Any],
+    top_k: int | None,
+    asked: tuple[int, int, str, int | None],
+) -> MethodPlan:
+    """The deferred all-parameter clip's second computation of each expert gradient: its share and
+    FLOPs at keep budget 0, and with a memory budget the largest keep budget that fits (`keep`)."""
+    batch, seq, device, budget = asked
+    tokens = batch * seq * run.grad_accum
+
+    def flops(kept: tuple[str, ...]) -> int | None:
+        # gradients kept whole (crossed over, arrived whole) or kept by the budget are computed once
+        return (
+            norm_pass_flops(layers, top_k, tokens, mine.crossed_over + mine.kept_whole + kept)
+            if top_k
+            else None
+        )
+
+    mine = dataclasses.replace(mine, extra_gemm_flops=flops(()))
+    if budget is None:
+        return mine
+    order = run.expert_order()
+    chosen, step, probes = choose_keep_budget(
+        lambda keep: run.tracked_step(batch, seq, device=device, keep_budget=keep), order, budget
+    )
+    kept = step.keep
+    assert kept is not None, "the deferred norm pass ran no keep budget"
+    choice = KeepChoice(
+        budget_bytes=chosen, peak_allocated_bytes=step.peak, fits=step.peak <= budget, kept=kept.kept,
+        tensors=len(order), kept_bytes=kept.kept_bytes, held_bytes=kept.held_bytes,
+        recomputed_share=kept.recomputed_share, extra_gemm_flops=flops(kept.kept), probes=probes,
+    )  # fmt: skip
+    return dataclasses.replace(mine, keep=choice)
+
+
 def _top_k(source: ModelSource) -> int | None:
     return source.reference.top_k if source.reference is not None else top_k_of(source.config)
 
@@ -286,6 +334,8 @@ def _plan_method(
         batch_peaks={b: m.peak + buckets for b, m in peaks.items()},
         semantics=meaning, kept_operand_bytes=asked.kept_operand_bytes, crossed_over=asked.crossed_over,
         kept_whole=asked.kept_whole, fits=None if budget is None else asked.peak + buckets <= budget,
+        recomputed_share=None if asked.keep is None else asked.keep.recomputed_share,
+        held_grad_bytes=None if asked.keep is None else asked.keep.held_bytes,
     )  # fmt: skip
 
 
@@ -349,6 +399,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         f"unsupported dtype {dtype!r}: plan bf16 or fp32 (Sonar trains weights, gradients and states in one "
         "of them; fp16 would need a GradScaler, which an update applied in backward cannot honour)."
     )
+
+
+def free_cuda_bytes() -> int:
+    """--budget auto: what this machine's CUDA device has free now (`torch.cuda.mem_get_info`) less the
+    caching allocator's reserve (`device.RESERVE_FRACTION` of the card): what a run started now could
+    reach."""
+    if not torch.cuda.is_available():
+        raise PlanError(
+            "budget 'auto' reads this machine's free CUDA memory (torch.cuda.mem_get_info), and it has no "
+            "CUDA device: give a size (--budget 46GiB, 48GB or bytes) or plan for a card (--gpu NAME)."
+        )
+    free, total = torch.cuda.mem_get_info()
+    return int(free - RESERVE_FRACTION * total)
 
 
 def parse_bytes(text: int | str) -> int:

@@ -74,7 +74,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--budget",
         default=None,
-        help="memory budget, e.g. 46GiB or 48GB: the largest batch that fits, per method",
+        help="memory budget, e.g. 46GiB or 48GB, or auto (this machine's free CUDA memory): the largest "
+        "batch that fits, per method, and for sonar_deferred_global_clip the largest keep budget that fits",
     )
     add(
         "--device",
@@ -188,6 +189,7 @@ def format_plan(p: Plan) -> str:
         *([format_crossover(p)] if p.crossover is not None else []),
         *([format_gpu(p)] if p.gpu is not None else []),
         *(format_norm_pass(p, m) for m in p.methods if m.extra_gemm_flops is not None),
+        *(format_keep(p, m) for m in p.methods if m.keep is not None),
     ])  # fmt: skip
 
 
@@ -212,9 +214,31 @@ def format_norm_pass(p: Plan, m: MethodPlan) -> str:
         if ms is not None and p.gpu is not None
         else " (--gpu gives its time)"
     )
+    share = f" (recomputed share {m.recomputed_share:.2f})" if m.recomputed_share is not None else ""
     return (
         f"{m.method}: one more weight-gradient GEMM per expert tensor per step (2 x routed slots x in x out "
-        f"each, summed) = {m.extra_gemm_flops / 1e9:.1f} GFLOP{time}."
+        f"each, summed) = {m.extra_gemm_flops / 1e9:.1f} GFLOP{time}, at keep budget 0{share}."
+    )
+
+
+def format_keep(p: Plan, m: MethodPlan) -> str:
+    """The largest keep budget whose step fits the memory budget, what it keeps and what is left."""
+    k = m.keep
+    assert k is not None and p.budget_bytes is not None
+    flops = "" if k.extra_gemm_flops is None else f" = {k.extra_gemm_flops / 1e9:.3g} GFLOP per step"
+    ms = p.gpu.gemm_ms(k.extra_gemm_flops) if p.gpu is not None and k.extra_gemm_flops is not None else None
+    time = f" ({ms:.2f} ms on a {p.gpu.product}, a floor)" if ms is not None and p.gpu is not None else ""
+    if not k.fits:
+        return (
+            f"{m.method}: keep budget 0: its step needs {_size(k.peak_allocated_bytes)} with nothing kept, "
+            f"over the budget of {_size(p.budget_bytes)}."
+        )
+    held = f"; {_size(k.held_bytes)} held past the crossover count against it" if k.held_bytes else ""
+    return (
+        f"{m.method}: keep budget {_size(k.budget_bytes)} (keep_budget={k.budget_bytes}), the largest whose "
+        f"step fits {_size(p.budget_bytes)} (peak {_size(k.peak_allocated_bytes)}; {k.probes} planned "
+        f"steps): {len(k.kept)} of {k.tensors} expert gradients kept ({_size(k.kept_bytes)}){held}; "
+        f"recomputed share {k.recomputed_share:.2f}, extra weight-gradient GEMMs{flops}{time}."
     )
 
 
@@ -231,7 +255,8 @@ def format_modes(p: Plan, unit: str, scale: float) -> str:
 
 
 def format_crossover(p: Plan) -> str:
-    """The deferred schedule's crossover: the batch above which kept operands outgrow gradients."""
+    """The deferred schedule's crossover: the batch above which kept operands outgrow gradients, and
+    what it holds against the keep budget."""
     c = p.crossover
     assert c is not None
     accum = f" x {c.grad_accum} micro-batches" if c.grad_accum > 1 else ""
@@ -241,7 +266,13 @@ def format_crossover(p: Plan) -> str:
         f"{_size(c.layer_operand_bytes_per_token * c.seq)} of operands per layer and sequence, against "
         f"{_size(c.layer_grad_bytes)} of expert gradients per layer: the operands outgrow them above batch "
         f"{c.layer_batch:.1f}. Per tensor, sonar_deferred keeps the gradient instead (as standard does) "
-        f"from batch: {tensors}."
+        f"from batch: {tensors}. Such a gradient is computed once and counts against the keep budget"
+        + "".join(
+            f"; {m.method} holds {_size(m.held_grad_bytes)} of them at batch {p.batch}"
+            for m in p.methods
+            if m.held_grad_bytes is not None
+        )
+        + "."
     )
 
 

@@ -25,6 +25,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.models.tiny import enable_activation_checkpointing
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.keep_budget import KeepRecord, KeptGradients
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.planner.device import cuda_block_bytes, exact_bytes
 from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, lowbit_scratch, real_step_paths
@@ -68,6 +69,8 @@ class StepMemory:
     kept_whole: tuple[str, ...] = ()
     """The deferred schedule: expert tensors whose gradient arrived whole, not deferred (an expert kernel
     whose weight-gradient op the eager capture does not know)."""
+    keep: KeepRecord | None = None
+    """The deferred schedule's norm pass (clip over all): what its keep budget kept (None: no norm pass)."""
 
 
 class MethodRun:
@@ -107,14 +110,17 @@ class MethodRun:
                 rank.set_up(self.method.optimizer)
             self.method.train_step(self._micro_batches(1, seq))  # creates the optimizer states
 
-    def tracked_step(self, batch: int, seq: int, *, device: str = "cuda") -> StepMemory:
+    def tracked_step(self, batch: int, seq: int, *, device: str = "cuda", keep_budget: int = 0) -> StepMemory:
         """Run one training step of `grad_accum` micro-batches of (batch, seq) tokens and account its
         memory as `device`'s allocator and kernels would: "cuda" rounds each storage to the caching
         allocator's blocks (`device.cuda_block_bytes`); "cpu" counts exact bytes, the scratch this host's
-        CPU matmul kernels take (see `scratch`) and that of torchao's compiled CPU update (see `fake`)."""
-        deferred = self._deferred()
+        CPU matmul kernels take (see `scratch`) and that of torchao's compiled CPU update (see `fake`).
+        `keep_budget`: the deferred schedule's keep budget for this step (bytes)."""
+        deferred, kept = self._deferred(), self._kept_gradients()
         if deferred is not None:
             deferred.crossed.clear()  # what crossed over in this step (the planner's copy of the report)
+        if kept is not None:
+            kept.budget, kept.last = keep_budget, None
         cpu = device == "cpu"
         round_bytes = exact_bytes if cpu else cuda_block_bytes
         backend = op_scratch(self.kernels, round_bytes)
@@ -136,7 +142,19 @@ class MethodRun:
             kept_operand_bytes=None if deferred is None else deferred.last_peak_bytes,
             crossed_over=() if deferred is None else tuple(sorted(deferred.crossed)),
             kept_whole=() if deferred is None else tuple(sorted(deferred.whole)),
+            keep=None if kept is None else kept.last,
         )  # fmt: skip
+
+    def expert_order(self) -> list[tuple[str, int]]:
+        """(name, gradient bytes) of each expert tensor, in the order the deferred step updates them."""
+        opt = self.method.optimizer
+        assert isinstance(opt, SonarOptimizer)
+        return [(opt.expert_name(p), p.numel() * p.element_size()) for p in opt.experts.params]
+
+    def _kept_gradients(self) -> KeptGradients | None:
+        """The deferred schedule's keep budget (None for other methods)."""
+        opt = self.method.optimizer
+        return opt.kept_grads if self._deferred() is not None and isinstance(opt, SonarOptimizer) else None
 
     def _deferred(self) -> DeferredGrads | None:
         """The deferred schedule's kept-operand accounting (None for other methods)."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from sonar_fx.config import ExpertClip, StateBits
+from sonar_fx.config import ExpertClip, KeepBudget, StateBits
 from sonar_fx.methods import Execution
 from sonar_fx.optim.optimizer import NonFinite
 
@@ -107,6 +107,10 @@ class TrainConfig:
     expert_clip: ExpertClip = None
     """How expert gradients are clipped (`sonar_fx.config`): None (sonar: not at all), "per_tensor", or
     "global" (two backward passes; the twin of the standard method)."""
+    keep_budget: KeepBudget = 0
+    """The deferred schedule under the clip over all: bytes of expert gradients its norm pass keeps for
+    the update pass instead of computing them again ("auto": CUDA's free memory less a margin; 0: none;
+    `sonar_fx.optim.keep_budget`). Exact at every budget, so not part of a checkpoint's identity."""
     state_bits: StateBits = 32
     """Adam(W) only: bits of the expert tensors' moments (8, 4: torchao's low-bit states)."""
     dense_state_bits: StateBits = 32

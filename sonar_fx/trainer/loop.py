@@ -203,6 +203,10 @@ class Trainer:
         record: dict[str, Any] = {"expert_grad_peak_bytes": optimizer.meter.last_peak}
         if optimizer.schedule == "deferred":  # report()["deferred"]["kept_operand_peak"], without a report
             record["kept_operand_peak_bytes"] = optimizer.deferred.last_peak_bytes
+            keep = optimizer.kept_grads.last  # the norm pass's keep budget (clip over all, a scaler)
+            if keep is not None:
+                record.update(keep_budget_bytes=keep.budget_bytes, kept_grad_bytes=keep.kept_bytes,
+                              recomputed_share=keep.recomputed_share)  # fmt: skip
         return record
 
     def _grad_norms(self) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from sonar_fx import api
 from sonar_fx.config import OPTIMIZER_CONFIGS, ConfigFieldError, ExpertClip, OptimizerConfig
-from sonar_fx.engines import engine_named
+from sonar_fx.engines import ENGINES, engine_named
 from sonar_fx.methods import METHODS, Method
 from sonar_fx.models import TINY_MODELS, build_model
 from sonar_fx.optim.optimizer import NONFINITE
@@ -114,6 +115,7 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
         weight_decay=resolved_weight_decay(cfg),
         max_grad_norm=cfg.max_grad_norm,
         expert_clip=cfg.expert_clip,
+        keep_budget=cfg.keep_budget,
     )
     momentum, nesterov = resolved_momentum(cfg)
     by_optimizer: dict[str, dict[str, Any]] = {
@@ -137,13 +139,32 @@ def optimizer_config(cfg: TrainConfig, lr: float) -> OptimizerConfig:
     _refuse_unused(cfg, {name.removeprefix("adamw_") for name in extra})
     try:
         opt_cfg = kind(**fields, **extra)
-        Method.named(cfg.method).check_clip(opt_cfg)
-        engine_named(cfg.parallel).check_optimizer(opt_cfg)  # what the --parallel engine is verified with
+        method = Method.named(cfg.method)
+        method.check_clip(opt_cfg)
+        # What the --parallel engine is verified with (the one rule, `sonar_fx.api.distributed_gap`).
+        engine_named(cfg.parallel).check_optimizer(opt_cfg, method.schedule)
     except ConfigFieldError as exc:
+        if exc.field == "schedule":
+            raise _deferred_refused(cfg, exc) from exc
         raise field_error(exc) from exc
     if cfg.state_bits != 32 or cfg.dense_state_bits != 32:
         _check_torchao("--state-bits" if cfg.state_bits != 32 else "--dense-state-bits")
     return opt_cfg
+
+
+def _deferred_refused(cfg: TrainConfig, exc: ConfigFieldError) -> ConfigError:
+    """The deferred schedule refused on the --parallel engine, blamed on the flag that chose it, with the
+    runs the command line offers instead."""
+    flag = "--grad-accum" if cfg.grad_accum > 1 else "--clip-scope" if cfg.clip_scope == "all" else "--method"
+    running = [e for e in ENGINES if e in api.DEFERRED_ENGINES]  # read at the call: the rule's now
+    elsewhere = f"--parallel {' or '.join(running)} with the same flags; or " if running else ""
+    return ConfigError(
+        f"{flag}: --parallel {cfg.parallel} with --method {cfg.method} (the deferred schedule, which "
+        f"--grad-accum > 1 and --clip-scope all choose for sonar): {exc}. On the command line: {elsewhere}"
+        f"on {cfg.parallel}, --method sonar with --grad-accum 1 and --clip-scope dense (in-backward "
+        "updates), or --method standard with the same flags (no saving)",
+        flag=flag,
+    )
 
 
 def resolved_momentum(cfg: TrainConfig) -> tuple[float, bool]:
@@ -160,6 +181,22 @@ def resolved_weight_decay(cfg: TrainConfig) -> float:
     if cfg.weight_decay is not None:
         return cfg.weight_decay
     return 0.1 if cfg.optimizer == "muon" else 0.0
+
+
+def _check_keep_budget(cfg: TrainConfig, device: str) -> None:
+    """--keep-budget only where the deferred schedule's norm pass can honour it (one process; "auto" on
+    CUDA), checked once the method is resolved."""
+    if cfg.keep_budget == 0:
+        return
+    why = None
+    if Method.named(cfg.method).schedule != "deferred":
+        why = f"it is the deferred schedule's (--clip-scope all, --grad-accum N), not --method {cfg.method}'s"
+    elif cfg.parallel is not None:
+        why = f"not under --parallel {cfg.parallel} (ranks cross over differently); drop it there"
+    elif cfg.keep_budget == "auto" and not device.startswith("cuda"):
+        why = "'auto' reads the CUDA caching allocator's free memory; on this device give bytes (or 0)"
+    if why is not None:
+        raise ConfigError(f"--keep-budget {cfg.keep_budget}: {why}", flag="--keep-budget")
 
 
 def _refuse_unused(cfg: TrainConfig, used: set[str]) -> None:
@@ -303,6 +340,7 @@ def resolve(
         )
     cfg = resolve_schedule(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _check_keep_budget(cfg, device)
     steps = cfg.steps or n_train // per_step
     lr = cfg.lr if cfg.lr is not None else (2e-5 if local else 3e-3)
     opt_cfg = optimizer_config(cfg, lr)

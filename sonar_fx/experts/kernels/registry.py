@@ -51,7 +51,7 @@ BACKENDS: dict[str, KernelBackend] = {
         "sonic-moe fused kernels (package sonic-moe; Hopper/Blackwell GPUs; fp16/bf16; SwiGLU, tanh-GeGLU)",
         sonicmoe_forward,
         check_sonicmoe,
-        ("sonar_fx::sonicmoe_backward",),
+        ("sonar_fx::sonicmoe_up_weight_grad", "sonar_fx::sonicmoe_down_weight_grad"),
         check_sonicmoe_layout,
     ),
 }

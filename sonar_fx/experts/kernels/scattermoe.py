@@ -10,6 +10,9 @@ Two custom ops, each traced by torch.compile as one node:
   The kernel writes the gradient straight into the buffer this op returns, in the parameter's layout:
   one weight-gradient buffer, never a second copy.
 `scatter_mm` registers its autograd, so the backward graph holds exactly these two ops per GEMM.
+Under `schedule="deferred"` the eager backward computes no `scatter_group_xty`: it hands the op's
+operands (x, dy and the routing) to the weight's owner, which runs the op at `step()` (`deferral.py`);
+compiled, the graph pass makes the same recipe of the node.
 
 The kernels are the project's own (`triton_kernels.py`). When the upstream `scattermoe` package
 (github shawntan/scattermoe) is installed with the API this adapter knows, its kernels run inside the
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 
 from sonar_fx.experts.kernels.base import BackendUnavailableError, ExpertLayout, Glu
+from sonar_fx.experts.kernels.deferral import defer_weight_grad
 
 UPSTREAM_MODULE = "scattermoe.kernels.ops"
 # Parameters this adapter passes to each upstream function (and that must be all it requires).
@@ -224,10 +228,13 @@ def _backward(ctx, dy: Tensor):
         if not ctx.x_grouped and ctx.fan_out > 1:
             dx = dx.view(x.shape[0], ctx.fan_out, -1).sum(dim=1)
     if ctx.needs_input_grad[1]:
-        dw_EKN = scatter_group_xty(
+        args = (
             x, dy, expert_S, order_S, ctx.fan_out, ctx.x_grouped, ctx.y_grouped, w_EKN.shape[0],
             ctx.dw_transposed,
         )  # fmt: skip
+        # schedule="deferred": the owner keeps (x, dy, routing) and runs this op at step() instead.
+        if not defer_weight_grad(w_EKN, torch.ops.sonar_fx.scatter_group_xty.default, args):
+            dw_EKN = scatter_group_xty(*args)
     return dx, dw_EKN, None, None, None, None, None
 
 

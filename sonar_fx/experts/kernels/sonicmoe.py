@@ -6,10 +6,16 @@ torch.compile its weight gradients never reach a backward graph. Here its functi
 (sonic-moe 0.1.2's `sonicmoe.functional`) run inside three ops of our own:
 - `sonar_fx::sonicmoe_routing` (routing metadata, no gradient),
 - `sonar_fx::sonicmoe_forward(...) -> (out_Td, h_S2n)` (h: the pre-activation sonic-moe saves),
-- `sonar_fx::sonicmoe_backward(...) -> (dx_Td, dscores_S, dw_up, dw_down)`, registered as the
-  forward's autograd, so the backward graph shows both weight gradients as outputs of one op node
-  (`getitem(sonicmoe_backward, 2)` and `3`), which the graph pass finds. sonic-moe's weight-gradient
-  kernels write straight into the buffers this op returns: one buffer per weight gradient, no copy.
+- the forward's autograd, three ops: `sonar_fx::sonicmoe_backward_act(...) -> (dx_Td, dscores_S,
+  dh_S2n, a_prime_Sn)` (everything but the weight GEMMs), then one op per weight gradient,
+  `sonar_fx::sonicmoe_down_weight_grad(dout_Td, a_prime_Sn, offsets, gather, E) -> dw_down` and
+  `sonar_fx::sonicmoe_up_weight_grad(x_Td, dh_S2n, offsets, gather, E, concat) -> dw_up`: the nodes
+  the graph pass finds. sonic-moe's weight-gradient kernels write straight into the buffers these ops
+  return: one buffer per weight gradient, in the parameter's layout, no copy. One op per weight
+  gradient lets the deferred schedule keep just its GEMM's operands and re-run just that GEMM at
+  `step()` (a recipe of one fused backward would re-run the input gradients too, and keep h); eager,
+  the backward hands them to the weight's owner instead of calling the op (`deferral.py`). The
+  kernels are the same calls on the same buffers as in one fused op: the arithmetic is unchanged.
 
 What sonic-moe computes, read from its sources (sonic-moe 0.1.2.post1 on QuACK 0.4.1):
 - dtypes: its GEMMs (QuACK, CUTLASS DSL, sm90) take fp16, bf16 or fp8 operands only; fp32 fails deep
@@ -33,6 +39,7 @@ import torch
 from torch import Tensor
 
 from sonar_fx.experts.kernels.base import BackendUnavailableError, ExpertLayout, Glu
+from sonar_fx.experts.kernels.deferral import defer_weight_grad
 
 GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu"}
 """Layout activation -> sonic-moe activation computing the same function."""
@@ -172,36 +179,26 @@ def _forward_fake(x_Td, scores_S, w_up_E2nd, w_down_Edn, routing, activation, co
     return x_Td.new_empty(x_Td.shape), x_Td.new_empty(s if keep_h else 0, 2 * n)
 
 
-@torch.library.custom_op("sonar_fx::sonicmoe_backward", mutates_args=())
-def sonicmoe_backward(
+@torch.library.custom_op("sonar_fx::sonicmoe_backward_act", mutates_args=())
+def sonicmoe_backward_act(
     dout_Td: Tensor, x_Td: Tensor, scores_S: Tensor, w_up_E2nd: Tensor, w_down_Edn: Tensor, h_S2n: Tensor,
     routing: list[Tensor], activation: str, concat_layout: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """(dx_Td, dscores_S, dw_up_E2nd, dw_down_Edn); weight gradients in the parameters' layout."""
+    """(dx_Td, dscores_S, dh_S2n, a_prime_Sn): the backward but its weight GEMMs, which read dh_S2n and
+    a_prime_Sn (`sonicmoe_up_weight_grad`, `sonicmoe_down_weight_grad`)."""
     sm = functional()
     offs, gather, scatter, reverse, token_offs = routing
     w1, w2 = w_up_E2nd.permute(1, 2, 0), w_down_Edn.permute(1, 2, 0)  # sonic-moe's (2I, H, E), (H, I, E)
     s, n = gather.shape[0], w_down_Edn.shape[2]
-    # zeros_like keeps the permuted strides, so permuting back gives contiguous (E, ., .) gradients.
-    # Zeros, not empty: a varlen-K grouped GEMM may skip an expert that got no token, and its gradient
-    # must then be 0 (a memset of one layer's weights; small next to the GEMMs).
-    dw1, dw2 = torch.zeros_like(w1), torch.zeros_like(w2)
     dh_S2n, a_prime_Sn, ds_S = torch.empty_like(h_S2n), x_Td.new_empty(s, n), torch.empty_like(scores_S)
     sm._down_projection_backward_act(
         dout=dout_Td, h=h_S2n, w2=w2, dh=dh_S2n, ds=ds_S, b2=None, db2=None, a_prime=a_prime_Sn,
         topk_scores=scores_S, expert_frequency_offset=offs, x_gather_idx=gather, s_scatter_idx=scatter,
         activation_type=activation,
     )  # fmt: skip
-    sm._down_projection_backward_weight(
-        dout=dout_Td, a_prime=a_prime_Sn, dw2=dw2, expert_frequency_offset=offs, x_gather_idx=gather
-    )
     dx_Sd = x_Td.new_empty(s, x_Td.shape[1])
     sm._up_projection_backward_act(
         w1=w1, dx_expanded=dx_Sd, dh=dh_S2n, db1=None, expert_frequency_offset=offs, is_glu_activation=True,
-        concat_layout=concat_layout,
-    )  # fmt: skip
-    sm._up_projection_backward_weight(
-        x=x_Td, dw1=dw1, dh=dh_S2n, expert_frequency_offset=offs, x_gather_idx=gather, is_glu_activation=True,
         concat_layout=concat_layout,
     )  # fmt: skip
     dx_Td = torch.empty_like(x_Td)
@@ -210,17 +207,64 @@ def sonicmoe_backward(
         num_activated_expert_per_token_offset=token_offs, varlen_K_max=w_up_E2nd.shape[0], H=x_Td.shape[1],
         is_varlen_K=True,
     )  # fmt: skip
-    return dx_Td, ds_S, dw1.permute(2, 0, 1), dw2.permute(2, 0, 1)
+    return dx_Td, ds_S, dh_S2n, a_prime_Sn
 
 
-@sonicmoe_backward.register_fake
-def _backward_fake(dout_Td, x_Td, scores_S, w_up_E2nd, w_down_Edn, h_S2n, routing, activation, concat_layout):
-    return (
-        torch.empty_like(x_Td),
-        torch.empty_like(scores_S),
-        torch.empty_like(w_up_E2nd, memory_format=torch.contiguous_format),
-        torch.empty_like(w_down_Edn, memory_format=torch.contiguous_format),
-    )
+@sonicmoe_backward_act.register_fake
+def _backward_act_fake(
+    dout_Td, x_Td, scores_S, w_up_E2nd, w_down_Edn, h_S2n, routing, activation, concat_layout
+):
+    s, n = routing[1].shape[0], w_down_Edn.shape[2]
+    return torch.empty_like(x_Td), torch.empty_like(scores_S), torch.empty_like(h_S2n), x_Td.new_empty(s, n)
+
+
+# The weight gradients, one op each, so that a deferred step re-runs one weight GEMM and nothing else.
+# Zeros, not empty: a varlen-K grouped GEMM may skip an expert that got no token, and its gradient must
+# then be 0 (a memset of one weight; small next to the GEMM). Allocated in the parameter's layout
+# (E, out, in) and handed to sonic-moe permuted to its (out, in, E): the gradient needs no copy.
+@torch.library.custom_op("sonar_fx::sonicmoe_up_weight_grad", mutates_args=())
+def sonicmoe_up_weight_grad(
+    x_Td: Tensor, dh_S2n: Tensor, expert_offsets: Tensor, x_gather: Tensor, num_experts: int,
+    concat_layout: bool,
+) -> Tensor:  # fmt: skip
+    """dw_up_E2nd from the expert input and the pre-activation's gradient (sonic-moe's dw1)."""
+    dw_E2nd = _new_dw_up(x_Td, dh_S2n, num_experts).zero_()
+    functional()._up_projection_backward_weight(
+        x=x_Td, dw1=dw_E2nd.permute(1, 2, 0), dh=dh_S2n, expert_frequency_offset=expert_offsets,
+        x_gather_idx=x_gather, is_glu_activation=True, concat_layout=concat_layout,
+    )  # fmt: skip
+    return dw_E2nd
+
+
+@sonicmoe_up_weight_grad.register_fake
+def _up_weight_grad_fake(x_Td, dh_S2n, expert_offsets, x_gather, num_experts, concat_layout):
+    return _new_dw_up(x_Td, dh_S2n, num_experts)
+
+
+def _new_dw_up(x_Td: Tensor, dh_S2n: Tensor, num_experts: int) -> Tensor:
+    return x_Td.new_empty(num_experts, dh_S2n.shape[1], x_Td.shape[1])
+
+
+@torch.library.custom_op("sonar_fx::sonicmoe_down_weight_grad", mutates_args=())
+def sonicmoe_down_weight_grad(
+    dout_Td: Tensor, a_prime_Sn: Tensor, expert_offsets: Tensor, x_gather: Tensor, num_experts: int
+) -> Tensor:
+    """dw_down_Edn from the output's gradient and the score-weighted activation (sonic-moe's dw2)."""
+    dw_Edn = _new_dw_down(dout_Td, a_prime_Sn, num_experts).zero_()
+    functional()._down_projection_backward_weight(
+        dout=dout_Td, a_prime=a_prime_Sn, dw2=dw_Edn.permute(1, 2, 0), expert_frequency_offset=expert_offsets,
+        x_gather_idx=x_gather,
+    )  # fmt: skip
+    return dw_Edn
+
+
+@sonicmoe_down_weight_grad.register_fake
+def _down_weight_grad_fake(dout_Td, a_prime_Sn, expert_offsets, x_gather, num_experts):
+    return _new_dw_down(dout_Td, a_prime_Sn, num_experts)
+
+
+def _new_dw_down(dout_Td: Tensor, a_prime_Sn: Tensor, num_experts: int) -> Tensor:
+    return dout_Td.new_empty(num_experts, dout_Td.shape[1], a_prime_Sn.shape[1])
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -234,10 +278,21 @@ def _backward(ctx, dout_Td: Tensor, _dh: Tensor | None):
     x_Td, scores_S, w_up_E2nd, w_down_Edn, h_S2n, *routing = ctx.saved_tensors
     if h_S2n.shape[0] == 0:
         raise RuntimeError("sonicmoe: backward through a forward run without gradients (keep_h=False).")
-    dx_Td, ds_S, dw_up, dw_down = sonicmoe_backward(
-        dout_Td.contiguous(), x_Td, scores_S, w_up_E2nd, w_down_Edn, h_S2n, routing, ctx.activation,
-        ctx.concat_layout,
-    )  # fmt: skip
+    dout_Td = dout_Td.contiguous()
+    dx_Td, ds_S, dh_S2n, a_prime_Sn = sonicmoe_backward_act(
+        dout_Td, x_Td, scores_S, w_up_E2nd, w_down_Edn, h_S2n, routing, ctx.activation, ctx.concat_layout
+    )
+    offs, gather, num_experts = routing[0], routing[1], w_up_E2nd.shape[0]
+    dw_up = dw_down = None
+    # schedule="deferred": the owner keeps each weight GEMM's operands and runs its op at step() instead.
+    if ctx.needs_input_grad[3]:
+        down_args = (dout_Td, a_prime_Sn, offs, gather, num_experts)
+        if not defer_weight_grad(w_down_Edn, torch.ops.sonar_fx.sonicmoe_down_weight_grad.default, down_args):
+            dw_down = sonicmoe_down_weight_grad(*down_args)
+    if ctx.needs_input_grad[2]:
+        up_args = (x_Td, dh_S2n, offs, gather, num_experts, ctx.concat_layout)
+        if not defer_weight_grad(w_up_E2nd, torch.ops.sonar_fx.sonicmoe_up_weight_grad.default, up_args):
+            dw_up = sonicmoe_up_weight_grad(*up_args)
     return dx_Td, ds_S, dw_up, dw_down, [None] * len(routing), None, None, None
 
 
