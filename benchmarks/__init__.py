@@ -11,6 +11,8 @@ compile       compile time with and without the pass, regional vs whole-model; -
 keep_budget   the deferred step's keep budget: step time against memory at budget 0, 1/4, 1/2, all
 optimizers    optimizers, clipping modes, logged norms, low-bit states; --only muon (Muon's table)
 distributed   gradient memory per distributed engine (DDP, FSDP2, EP, the 2-D layout)
+distributed_deferred  the deferred schedule per rank on DDP and EP: memory, time, the planner's peak;
+              --timeline (each expert gradient's all-reduce in flight while the next is computed)
 plan_accuracy `sonar-fx plan` against a measured step and the paper
 readme        regenerates the docs' Results pages and the README headline from results/*/results.json
 
@@ -29,6 +31,7 @@ SCRIPTS = (
     "benchmarks.keep_budget",
     "benchmarks.optimizers",
     "benchmarks.distributed",
+    "benchmarks.distributed_deferred",
     "benchmarks.plan_accuracy",
     "tests.families",
     "tests.saving_cases",

@@ -156,6 +156,7 @@ def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int, engine: s
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
         "crossed_over": report["deferred"]["crossed_over"],
         "step_grad_peak": report["expert_grad_bytes"]["measured_peak"],
+        "overlapped": report["deferred"]["overlapped"],
         **seen,
         "fallbacks": report["fallbacks"],
     }

@@ -149,3 +149,22 @@ def test_the_one_rule_lets_deferred_through_only_where_a_test_shows_it_exact():
     for engine in ("ddp-async",):
         gap = sonar_fx.api.distributed_gap(CFG, engine, "deferred")
         assert gap is not None and gap[0] == "schedule" and "ddp, ep, fsdp2 or fsdp2_ep engine" in gap[1], gap
+
+
+@pytest.mark.parametrize("case", [marked(c) for c in EXACT])
+def test_each_ddp_all_reduce_runs_while_the_next_expert_gradient_is_computed(ranks, case):
+    """DDP's all-reduce of each expert gradient at step() is asynchronous: every gradient but the first
+    of each pass is computed while the one before is reduced (two passes with the clip over all), and
+    at most two are alive at once beside what backward kept (the meter counts the one in flight)."""
+    passes = 2 if case[1] == "all" else 1
+    for run in (r[label(*case)] for r in ranks):
+        assert run["overlapped"] == STEPS * passes * (EXPERT_TENSORS - 1), run["overlapped"]
+        if not run["crossed_over"]:  # (a tensor held since its crossover holds two in a later backward)
+            assert run["step_grad_peak"] <= 2 * run["biggest_expert"], run
+
+
+@pytest.mark.parametrize("case", EXACT_EP, ids=[label(*c) for c in EXACT_EP])
+def test_expert_parallel_has_no_collective_in_flight_at_step(ranks, case):
+    """Negative control: the rank's own experts need no collective, so nothing is held for one."""
+    for run in (r[label(*case)] for r in ranks):
+        assert run["overlapped"] == 0

@@ -5,8 +5,9 @@ gradients; `step()` computes each gradient from them, summing the rank's micro-b
 reduces a gradient once, at the backward that syncs: under the accumulation loop people run
 (`no_sync()` for every micro-batch but the last), the dense gradients reach `step()` as
 `sum_ranks(local_sum * (1/world))`, and so must each expert gradient. `mean_all_reduce` applies that
-arithmetic (mul by 1/world, all-reduce sum) to one computed gradient; `MeanAllReduce.at_step` hands it
-to both of the deferred step's passes (the norm/scaler verdict and the update). Expert parallelism's
+arithmetic (mul by 1/world, all-reduce sum) to one computed gradient, started asynchronously so that it
+runs while the step computes the next one (`deferred_pipeline`); `MeanAllReduce.at_step` hands it to
+both of the deferred step's passes (the norm/scaler verdict and the update). Expert parallelism's
 experts are the rank's own (`LocalExperts.at_step`: the 1/world scale alone), but its dense half is
 DDP, so the same loop rule holds there.
 
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.reduction import Started
 
 
 @dataclass
@@ -106,9 +108,10 @@ def refuse_unmatched_syncs(syncs: ForwardSyncs | None) -> None:
         )
 
 
-def mean_all_reduce(grad: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """DDP's reduction of one gradient: `grad * (1/world)` (the reducer's copy into its bucket), then
-    all-reduce sum over `group`. `grad` is the step's own (computed at step()): scaled in place."""
+def mean_all_reduce(grad: Tensor, group: dist.ProcessGroup) -> Started:
+    """DDP's reduction of one gradient, started: `grad * (1/world)` (the reducer's copy into its bucket),
+    then an asynchronous all-reduce sum over `group`, which runs while the deferred step computes the
+    next gradient; `wait()` gives the mean. `grad` is the step's own (computed at step()): scaled and
+    reduced in place."""
     scaled = grad.mul_(1.0 / dist.get_world_size(group)).contiguous()
-    dist.all_reduce(scaled, group=group)
-    return scaled
+    return Started(scaled, dist.all_reduce(scaled, group=group, async_op=True))

@@ -14,7 +14,9 @@ Three pieces, each set up by `sonar_fx.distributed.fsdp2` / `fsdp2_ep` under sch
   fp16's pre- and post-divide; the chunk_cat copy-in; the group's reduce-scatter; the cast to the
   parameter's dtype), so each element is the same op on the same operands as in plain FSDP2. It is
   split into `start_reduce_scatter` (the collective in flight) and `finish_reduce_scatter` (wait, give
-  back the rank's shard as a DTensor) so that the collective can overlap the next tensor's GEMM. A
+  back the rank's shard as a DTensor): `step_reduce` starts it and the deferred step waits for it only
+  after computing the next tensor's gradient (`sonar_fx.optim.deferred_pipeline`), so the collective
+  overlaps that GEMM. A
   gradient that arrived whole (a use of the weight no capture keeps) went through FSDP2's own
   reduce-scatter in backward and reaches `step()` as that shard (a DTensor): it passes through.
 - Loop rule. The deferred step sums a rank's micro-batches and reduces once: the arithmetic of FSDP2
@@ -45,7 +47,7 @@ from sonar_fx.distributed.deferred import DeferredHolder
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim import deferred_intake
 from sonar_fx.optim.amp import scaler_step
-from sonar_fx.optim.reduction import StepReduce
+from sonar_fx.optim.reduction import Reduced, Reducing, StepReduce
 from sonar_fx.runtime import registry
 
 
@@ -146,15 +148,27 @@ def reduce_scatter_to_shard(expert: ShardedExpert, full: Tensor) -> Tensor:
     return finish_reduce_scatter(start_reduce_scatter(expert, full))
 
 
+@dataclass
+class ShardInFlight:
+    """A reduce-scatter started at `step()` (`Reducing`): the deferred step computes the next expert
+    gradient while it runs (`deferred_pipeline`); `wait()` gives the shard."""
+
+    pending: PendingShard
+    in_flight: bool = True
+
+    def wait(self) -> Tensor:
+        return finish_reduce_scatter(self.pending)
+
+
 def step_reduce(experts: dict[int, ShardedExpert], by_name: Callable[[str], Tensor]) -> StepReduce:
     """The deferred step's reduction on FSDP2: a gradient computed from kept operands (a plain tensor,
-    unsharded) is reduce-scattered to the shard; one FSDP2 already reduced in backward (a DTensor:
-    arrived whole) passes through."""
+    unsharded) starts its reduce-scatter to the shard; one FSDP2 already reduced in backward (a
+    DTensor: arrived whole) passes through."""
 
-    def reduce(name: str, grad: Tensor) -> Tensor:
+    def reduce(name: str, grad: Tensor) -> Reducing:
         if hasattr(grad, "full_tensor"):
-            return grad
-        return reduce_scatter_to_shard(experts[id(by_name(name))], grad)
+            return Reduced(grad)
+        return ShardInFlight(start_reduce_scatter(experts[id(by_name(name))], grad))
 
     return reduce
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from sonar_fx.distributed.deferred import ForwardSyncs, mean_all_reduce, refuse_unmatched_syncs
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.norms import plain, total_norm
-from sonar_fx.optim.reduction import StepReduce, Update
+from sonar_fx.optim.reduction import Reduced, StepReduce, Update
 from sonar_fx.passes.reduce_grads import GraphReduce
 
 if TYPE_CHECKING:
@@ -353,7 +353,7 @@ class LocalExperts:
     def at_step(self) -> StepReduce:
         refuse_unmatched_syncs(self.forward_syncs)  # the dense half's DDP synced the last only
         scale = 1.0 / self.world_size  # the rank's own experts: data-parallel averaging, no collective
-        return lambda name, grad: grad.mul_(scale)
+        return lambda name, grad: Reduced(grad.mul_(scale))  # so nothing in flight, nothing to overlap
 
     def any_rank(self, local: bool) -> bool:
         # Each rank holds different experts: one rank's non-finite gradient must stop every rank.

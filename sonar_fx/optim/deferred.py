@@ -26,6 +26,7 @@ keeps nothing for it (`wanted_by_this_backward`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -110,17 +111,40 @@ def _pieces(group: list[Entry]) -> int:
     return sliced.count(False) + any(sliced)
 
 
+def _nothing() -> None:
+    return None
+
+
+def _after_first(call: Callable[[], None] | None) -> Callable[[], None]:
+    """`call` on every call but the first (None: nothing)."""
+    if call is None:
+        return _nothing
+    first = [True]
+
+    def each() -> None:
+        if first[0]:
+            first[0] = False
+        else:
+            call()
+
+    return each
+
+
 def _entry_bytes(entry: Entry) -> int:
     return entry.nbytes if isinstance(entry, _Kept) else entry.untyped_storage().nbytes()
 
 
-def _sum(group: list[Entry], param: Tensor, *, own: bool) -> Tensor | None:
+def _sum(
+    group: list[Entry], param: Tensor, *, own: bool, before_piece: Callable[[], None] = _nothing
+) -> Tensor | None:
     """One backward's contributions summed in arrival order: the first as is, each next added in
     place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written. A slice's
     contribution is added into its slice of the sum (a zero-filled one if it comes first): autograd adds
-    it padded with zeros, and x + 0 is x (a -0.0 may come out +0.0, equal values no update tells apart)."""
+    it padded with zeros, and x + 0 is x (a -0.0 may come out +0.0, equal values no update tells apart).
+    `before_piece` is called before each contribution is read."""
     total = None
     for entry in group:
+        before_piece()
         into = entry.into() if isinstance(entry, _Kept) else None
         if isinstance(entry, _Kept) and into is not None:  # one slice's gradient: into the sum's slice
             if total is None:
@@ -136,11 +160,13 @@ def _sum(group: list[Entry], param: Tensor, *, own: bool) -> Tensor | None:
     return total
 
 
-def _accumulate(groups: list[list[Entry]], param: Tensor, *, own: bool) -> Tensor | None:
+def _accumulate(
+    groups: list[list[Entry]], param: Tensor, *, own: bool, before_piece: Callable[[], None] = _nothing
+) -> Tensor | None:
     """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added."""
     total = None
     for group in groups:
-        part = _sum(group, param, own=own)
+        part = _sum(group, param, own=own, before_piece=before_piece)
         if part is None:
             continue
         if total is None:
@@ -167,6 +193,9 @@ class DeferredGrads:
     """Expert tensor name -> operand bytes it held when it crossed over to a kept gradient."""
     whole: set[str] = field(default_factory=set)
     """Expert tensors whose gradient arrived whole (not deferred) in this run."""
+    overlapped: int = 0
+    """Expert gradients computed at `step()` while the collective of the one before still ran
+    (`deferred_pipeline`), in this run."""
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
 
     def add(self, param: Tensor, name: str, recipe: str, operands: list[Tensor]) -> None:
@@ -309,11 +338,14 @@ class DeferredGrads:
         """Every kept set of operands, in the order kept per tensor (for tests and tools)."""
         return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
 
-    def gradient(self, param: Tensor, *, consume: bool) -> Tensor | None:
+    def gradient(
+        self, param: Tensor, *, consume: bool, before_second: Callable[[], None] | None = None
+    ) -> Tensor | None:
         """`param`'s gradient for the step: `.grad` (the backwards so far, shown there for a GradScaler
         by `deferred_loop.backward_finished`), then each backward's sum accumulated in order.
         `consume`: drop the contributions and `.grad` (the update pass); else they stay and the result
-        is a new tensor (the norm pass)."""
+        is a new tensor (the norm pass). `before_second` is called before each piece after the first
+        is read (a piece then lives beside the running sum: the caller makes room for it first)."""
         pending = self.kept.pop(id(param), None) if consume else self.kept.get(id(param))
         groups = pending.groups() if pending is not None else []
         grad = param.grad
@@ -324,7 +356,7 @@ class DeferredGrads:
                 self._uncount(pending)  # the caller counts the gradient it gets (`_step_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
-        return _accumulate(groups, param, own=consume)
+        return _accumulate(groups, param, own=consume, before_piece=_after_first(before_second))
 
     def discard(self, param: Tensor) -> None:
         """Drop `param`'s kept contributions uncomputed: the keep budget holds its gradient
@@ -354,6 +386,7 @@ class DeferredGrads:
             "kept_operand_peak": self.last_peak_bytes,
             "crossed_over": dict(self.crossed),
             "kept_whole": sorted(self.whole),
+            "overlapped": self.overlapped,
         }
 
 

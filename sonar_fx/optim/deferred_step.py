@@ -1,13 +1,16 @@
 """The deferred schedule's `step()`: verdicts first (a GradScaler's inf check, the global norm over
 every parameter, nonfinite="skip"), then the dense step, then each expert gradient computed from its
 kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it, clipped, updated and
-freed in turn, one at a time (or, within the keep budget, taken as the first pass kept them:
-`keep_budget`). The arithmetic of the kept contributions is `deferred`'s; this module only orders the
-passes and counts what each holds alive (`_step_gradient`).
+freed in turn: its reduction runs while the next one is computed (`deferred_pipeline`), so at most two
+are alive at once (or, within the keep budget, taken as the first pass kept them: `keep_budget`). The
+arithmetic of the kept contributions is `deferred`'s; this module only orders the passes and counts
+what each holds alive (`_step_gradient`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -18,10 +21,11 @@ from sonar_fx.optim import deferred_loop, global_clip
 from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.deferred_pipeline import pipelined
 from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.nonfinite import NonFinitePolicy
 from sonar_fx.optim.norms import ExpertClipper
-from sonar_fx.optim.reduction import StepReduce, step_reduction
+from sonar_fx.optim.reduction import Reduced, StepReduce, step_reduction
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 
@@ -96,25 +100,44 @@ def step(opt: SonarOptimizer) -> None:
         opt.end_step()
         return
     names = []
-    for p in experts:
-        name = opt.expert_name(p)
-        deferred = not store.arrived_whole(p)
-        grad = opt.kept_grads.take(p, store)  # the norm pass's, reduced and unscaled: not computed again
-        if grad is None:
-            grad = _step_gradient(opt, p, consume=True, key=p)
-            grad = reduce(name, grad)  # the engine's reduction (DDP: the mean over ranks), before all else
-        try:
-            if scaler is not None and id(p) not in unscaled:
-                scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
-            opt.update_deferred_(name, p, grad, path="deferred" if deferred else "kept")
-        finally:
-            opt.meter.freed(p)
-        del grad  # freed before the next tensor's gradient is computed: one alive at a time, not two
-        names.append(name)
+    with pipelined() as line:  # each reduction runs while the next gradient is computed: two alive at most
+        for p in experts:
+            name = opt.expert_name(p)
+            path = "kept" if store.arrived_whole(p) else "deferred"
+            update = partial(_update, opt, p, name, path, scaler, unscaled)
+            kept = opt.kept_grads.take(p, store)  # the norm pass's, reduced and unscaled: not computed again
+            if kept is not None:
+                line.started(Reduced(kept), update)
+            else:
+                grad = _step_gradient(opt, p, consume=True, key=p, make_room=line.make_room)
+                # The engine's reduction (DDP: the mean over ranks), started; the update waits for it.
+                line.started(reduce(name, grad), update)
+                del grad  # the flight holds it until its update, which frees it
+            del kept
+            names.append(name)
+    store.overlapped += line.overlapped
     err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
     opt.end_step()
     if err is not None:
         raise err
+
+
+def _update(
+    opt: SonarOptimizer,
+    p: Tensor,
+    name: str,
+    path: str,
+    scaler: ScalerStep | None,
+    unscaled: set[int],
+    grad: Tensor,
+) -> None:
+    """The update pass's end of one expert: unscale (a scaler's), update `p`, free its gradient."""
+    try:
+        if scaler is not None and id(p) not in unscaled:
+            scaler.unscale_(grad, torch.zeros((), dtype=torch.float32, device=grad.device))
+        opt.update_deferred_(name, p, grad, path=path)
+    finally:
+        opt.meter.freed(p)
 
 
 def _skip_for_experts(opt: SonarOptimizer) -> bool:
@@ -144,39 +167,80 @@ def _first_pass(
     found_inf = None
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
-    kept = opt.kept_grads
-    kept.begin(experts, opt.deferred)
-    for p in experts:
-        key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
-        unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
-        # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
-        in_place = not unscale and opt.distributed is None
-        grad = _step_gradient(opt, p, consume=False, key=key, read_only=in_place)
-        grad = reduce(opt.expert_name(p), grad)  # the engine's reduction, before the norm and verdict
-        if unscale and scaler is not None and found_inf is not None:
-            scaler.unscale_(grad, found_inf)
-        if clip_all:
-            opt.clipper.norm_of(opt.expert_name(p), grad)
-        if kept.keep(p, opt.expert_name(p), grad, key, opt.deferred, drop=scaler is None):
-            unscaled.add(id(p))  # (kept unscaled: the update pass must not unscale it again)
-        else:
-            opt.meter.freed(key)
-        del grad
-    kept.finish()
+    opt.kept_grads.begin(experts, opt.deferred)
+    with pipelined() as line:  # each reduction runs while the next gradient is computed
+        for p in experts:
+            key = object()  # this pass's own copy: a gradient held whole stays counted under `p`
+            unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
+            # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
+            in_place = not unscale and opt.distributed is None
+            grad = _step_gradient(
+                opt, p, consume=False, key=key, read_only=in_place, make_room=line.make_room
+            )
+            checks = (scaler, found_inf) if unscale else (None, None)
+            # The engine's reduction, started; the norm, verdict and keep wait for it.
+            line.started(
+                reduce(opt.expert_name(p), grad),
+                partial(_check, opt, p, key, *checks, clip_all, unscaled, scaler is None),
+            )
+            del grad
+    opt.kept_grads.finish()
+    opt.deferred.overlapped += line.overlapped
     return found_inf
 
 
+def _check(
+    opt: SonarOptimizer,
+    p: Tensor,
+    key: object,
+    scaler: ScalerStep | None,
+    found_inf: Tensor | None,
+    clip_all: bool,
+    unscaled: set[int],
+    drop: bool,
+    grad: Tensor,
+) -> None:
+    """The first pass's end of one expert: unscale and check it (a scaler's; `found_inf`: its verdict so
+    far), record its norm (global clip), then keep it for the update pass within the keep budget (its
+    id joins `unscaled`) or free it."""
+    name = opt.expert_name(p)
+    kept = False
+    try:
+        if scaler is not None and found_inf is not None:
+            scaler.unscale_(grad, found_inf)
+        if clip_all:
+            opt.clipper.norm_of(name, grad)
+        kept = opt.kept_grads.keep(p, name, grad, key, opt.deferred, drop=drop)
+    finally:
+        if kept:
+            unscaled.add(id(p))  # (kept unscaled: the update pass must not unscale it again)
+        else:
+            opt.meter.freed(key)
+
+
 def _step_gradient(
-    opt: SonarOptimizer, p: Tensor, *, consume: bool, key: object, read_only: bool = False
+    opt: SonarOptimizer,
+    p: Tensor,
+    *,
+    consume: bool,
+    key: object,
+    read_only: bool = False,
+    make_room: Callable[[], None] = lambda: None,
 ) -> Tensor:
     """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
     holds it, with what is alive beside it while it is made: one more gradient-sized tensor when pieces
-    are summed (backwards, or a gradient held and kept operands), and a layout copy's source. The
-    norm pass (`consume=False`) reads a gradient already held as one tensor in place when it only reads
-    it (`read_only`: no unscaling in place): no second copy."""
+    are summed (backwards, or a gradient held and kept operands), and a layout copy's source. Before
+    either, `make_room()` finishes the gradient still in flight (`deferred_pipeline`): never three
+    alive. The norm pass (`consume=False`) reads a gradient already held as one tensor in place when it
+    only reads it (`read_only`: no unscaling in place): no second copy."""
     store, meter = opt.deferred, opt.meter
     nbytes = p.numel() * p.element_size()
     held = store.held(p)  # counted by the store while it holds it (arrived whole, or crossed over)
+
+    def piece_beside_the_sum() -> None:
+        make_room()
+        alive_for_a_moment(meter, nbytes)
+
     if not consume and read_only and held is not None:
         raw = held
     elif consume and held is not None:  # the held tensor itself is the step's gradient: counted anew
@@ -184,14 +248,14 @@ def _step_gradient(
         meter.appeared(key, nbytes)
     else:
         meter.appeared(key, nbytes)
-        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
-            alive_for_a_moment(meter, nbytes)
-        raw = _required(store.gradient(p, consume=consume))
+        raw = _required(store.gradient(p, consume=consume, before_second=piece_beside_the_sum))
+    if raw.stride() == p.stride():
+        return raw
+    make_room()  # a layout copy: counted under `key`, with its source beside it for a moment
     grad = grad_like_param(p, raw)
-    if grad is not raw:  # a layout copy: counted under `key`, with its source beside it for a moment
-        meter.appeared(key, nbytes)
-        if raw is not held:  # (a held source is counted already)
-            alive_for_a_moment(meter, nbytes)
+    meter.appeared(key, nbytes)
+    if raw is not held:  # (a held source is counted already)
+        alive_for_a_moment(meter, nbytes)
     return grad
 
 

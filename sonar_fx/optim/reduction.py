@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -27,9 +28,49 @@ if TYPE_CHECKING:
 
 Update = Callable[[Tensor], None]
 """Apply the update of one expert tensor with the given (reduced) gradient."""
-StepReduce = Callable[[str, Tensor], Tensor]
+
+
+class Reducing(Protocol):
+    """An expert gradient's reduction at `step()`, started: `wait()` gives the reduced gradient."""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a collective may still run (False: `wait()` returns at once, nothing to overlap)."""
+        ...
+
+    def wait(self) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A reduction with no collective left to run (one process, or a rank's own experts)."""
+
+    grad: Tensor
+    in_flight: bool = False
+
+    def wait(self) -> Tensor:
+        return self.grad
+
+
+@dataclass(frozen=True)
+class Started:
+    """A collective started on `grad` in place (`async_op=True`): the deferred step computes the next
+    expert gradient while it runs, and waits here before the update reads `grad`."""
+
+    grad: Tensor
+    work: Any
+    """The collective's `torch.distributed.Work`."""
+    in_flight: bool = True
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        return self.grad
+
+
+StepReduce = Callable[[str, Tensor], Reducing]
 """The deferred schedule: (expert tensor name, its gradient computed at `step()` from this rank's
-kept operands) -> the gradient the engine's reduction gives (`GradReduction.at_step`)."""
+kept operands) -> its reduction as the engine reduces it, started (`GradReduction.at_step`); every
+rank starts them in the same order and waits each before the update reads it."""
 
 
 class GradReduction(Protocol):
@@ -72,8 +113,9 @@ class GradReduction(Protocol):
     def at_step(self) -> StepReduce:
         """schedule="deferred", at the start of `step()` (before any weight moves): refuse a loop whose
         reduction of the dense gradients differs from the one applied to the experts, then give the
-        function that reduces each expert gradient computed at `step()`. Every rank calls it, and the
-        function, at the same points."""
+        function that starts the reduction of each expert gradient computed at `step()` (a `Reducing`:
+        its collective runs while the step computes the next gradient). Every rank calls it, and the
+        function and each `wait()`, at the same points."""
         ...
 
     def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
@@ -100,8 +142,8 @@ def step_reduction(reduction: GradReduction | None) -> StepReduce:
     return _as_computed if reduction is None else reduction.at_step()
 
 
-def _as_computed(name: str, grad: Tensor) -> Tensor:
-    return grad
+def _as_computed(name: str, grad: Tensor) -> Reducing:
+    return Reduced(grad)
 
 
 def refuse_unreduced(name: str, reduced: str) -> None:

@@ -22,12 +22,14 @@ import torch
 from sonar_fx.config import AdamWConfig, OptimizerConfig
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.memory import ExpertGradBytes
+from sonar_fx.methods import Method
 from sonar_fx.planner.device import GPU, GPUS, RESERVE_FRACTION
 from sonar_fx.planner.fake import PlanError
 from sonar_fx.planner.keep import KeepChoice, choose_keep_budget
 from sonar_fx.planner.kernels import KERNELS
 from sonar_fx.planner.models import ModelSource, model_source
 from sonar_fx.planner.modes import Crossover, Semantics, crossover, norm_pass_flops, semantics, top_k_of
+from sonar_fx.planner.parallel import layout
 from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory, method_config
 
 DEFAULT_METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar")
@@ -120,6 +122,10 @@ class Plan:
     cpu_seconds: float = 0.0
     """CPU time this process spent on it (on a shared machine, the part of `seconds` that was its own)."""
     execution: str = EXECUTION
+    parallel: str | None = None
+    """The engine of a planned rank ("ddp", "ep"; None: one process): every figure is one rank's."""
+    world: int = 1
+    """Ranks of that run, each with `batch` sequences per micro-batch."""
 
     def extra_gemm_ms(self, m: MethodPlan) -> float | None:
         """`m`'s extra weight-gradient GEMMs at the GPU's dense bf16 datasheet rate (a floor), in ms."""
@@ -171,12 +177,16 @@ def plan(
     grad_accum: int = 1,
     kernels: str = "torch",
     gpu: str | None = None,
+    parallel: str | None = None,
+    world: int = 1,
 ) -> Plan:
     """Predict the peak allocated memory of one training step (step 2: optimizer states alive) of
     `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
     "46GiB"), also the largest batch that fits. `grad_accum`: micro-batches of `batch` sequences per
     step. `kernels`: the expert kernels modelled ("torch", "scattermoe", "sonicmoe"); `gpu`: a card of
-    `device.GPUS`, whose usable memory becomes the budget. See the module docstring and docs/plan.md."""
+    `device.GPUS`, whose usable memory becomes the budget. `parallel` ("ddp", "ep") and `world`: plan
+    one rank of that many processes (`parallel.Layout`), each with its own `batch`. See the module
+    docstring and docs/plan.md."""
     started, cpu_started = time.perf_counter(), time.process_time()
     torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
     _check_request(batch, seq, device, methods, cfg, grad_accum)
@@ -185,14 +195,16 @@ def plan(
         card.usable_bytes if card is not None else free_cuda_bytes() if budget == "auto"
         else parse_bytes(budget) if budget is not None else None
     )  # fmt: skip
+    rank = layout(parallel, world, methods)
     source = model_source(model_or_config)
+    source = rank.source(source) if rank is not None else source
     planned, expert_grad, cross = [], None, None
     layers, top_k = [], None
     for name in methods:
         try:
             run = MethodRun(
                 source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq,
-                grad_accum=grad_accum, kernels=kernels,
+                grad_accum=grad_accum, kernels=kernels, rank=rank,
             )  # fmt: skip
         except NoExpertsFoundError as err:
             raise PlanError(f"{source.name}: {err}") from err
@@ -204,9 +216,11 @@ def plan(
         base, fields = PLAN_METHODS[name]
         method_cfg = method_config(base, cfg, fields)
         meaning = semantics(name, base, method_cfg)
-        mine = _plan_method(run, batch, seq, device, budget_bytes, meaning)
+        buckets = rank.bucket_bytes(run.model, sonar=Method.named(base).sonar) if rank is not None else 0
+        mine = _plan_method(run, batch, seq, device, budget_bytes, meaning, buckets)
         if base == "sonar_deferred" and method_cfg.expert_clip == "global":
-            mine = _with_norm_pass(mine, run, layers, top_k, (batch, seq, device, budget_bytes))
+            keep_budget = None if budget_bytes is None else budget_bytes - buckets  # (buckets: a rank's DDP)
+            mine = _with_norm_pass(mine, run, layers, top_k, (batch, seq, device, keep_budget))
         planned.append(mine)
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
@@ -221,6 +235,7 @@ def plan(
         gradient_checkpointing=gradient_checkpointing, grad_accum=grad_accum, optimizer=_cfg_fields(cfg),
         expert_grad=expert_grad, methods=planned, crossover=cross, budget_bytes=budget_bytes, kernels=kernels,
         gpu=card, execution=EXECUTION + KERNELS[kernels], seconds=time.perf_counter() - started,
+        parallel=parallel, world=world,
         cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
 
@@ -288,25 +303,37 @@ def _top_k(source: ModelSource) -> int | None:
 
 
 def _plan_method(
-    run: MethodRun, batch: int, seq: int, device: str, budget: int | None, meaning: Semantics
+    run: MethodRun,
+    batch: int,
+    seq: int,
+    device: str,
+    budget: int | None,
+    meaning: Semantics,
+    buckets: int = 0,
 ) -> MethodPlan:
+    """`run`'s step at `batch` (and the largest batch that fits `budget`); `buckets`: DDP's bucket bytes,
+    alive for the whole run beside what the step allocates (0 in one process)."""
     peaks: dict[int, StepMemory] = {}
 
     def step(b: int) -> int:
         if b not in peaks:
             peaks[b] = run.tracked_step(b, seq, device=device)
-        return peaks[b].peak
+        return peaks[b].peak + buckets
 
     step(batch)
     max_batch = (
-        largest_batch(step, budget, start=batch, base=peaks[batch].start) if budget is not None else None
+        largest_batch(step, budget, start=batch, base=peaks[batch].start + buckets)
+        if budget is not None
+        else None
     )
     asked = peaks[batch]
+    categories = {**asked.by_category, "gradients": asked.by_category.get("gradients", 0) + buckets}
     return MethodPlan(
-        method=run.name, peak_allocated_bytes=asked.peak, categories=asked.by_category,
-        step_start_bytes=asked.start, max_batch=max_batch, batch_peaks={b: m.peak for b, m in peaks.items()},
+        method=run.name, peak_allocated_bytes=asked.peak + buckets, categories=categories,
+        step_start_bytes=asked.start + buckets, max_batch=max_batch,
+        batch_peaks={b: m.peak + buckets for b, m in peaks.items()},
         semantics=meaning, kept_operand_bytes=asked.kept_operand_bytes, crossed_over=asked.crossed_over,
-        kept_whole=asked.kept_whole, fits=None if budget is None else asked.peak <= budget,
+        kept_whole=asked.kept_whole, fits=None if budget is None else asked.peak + buckets <= budget,
         recomputed_share=None if asked.keep is None else asked.keep.recomputed_share,
         held_grad_bytes=None if asked.keep is None else asked.keep.held_bytes,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from sonar_fx.planner.device import GPUS
 from sonar_fx.planner.fake import PlanError
 from sonar_fx.planner.kernels import KERNELS
 from sonar_fx.planner.models import PRESETS
+from sonar_fx.planner.parallel import PARALLEL
 from sonar_fx.planner.planning import DEFAULT_METHODS, DEVICES, MethodPlan, Plan, plan
 from sonar_fx.planner.run import PLAN_METHODS
 from sonar_fx.planner.tracker import CATEGORIES
@@ -95,6 +96,14 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="plan for this card: its usable memory is the budget (fits, largest batch per method)",
     )
+    add(
+        "--parallel",
+        choices=PARALLEL,
+        default=None,
+        help="plan one rank of a run on this engine (ddp: whole model per rank; ep: E/world experts per "
+        "rank); every figure is per rank",
+    )
+    add("--world", type=int, default=1, metavar="N", help="ranks of the --parallel run (each with --batch)")
     add("--json", action="store_true", help="print one JSON object instead of the table")
     add("--plot", type=Path, default=None, metavar="PNG", help="also write a bar chart of the peaks here")
 
@@ -107,7 +116,8 @@ def plan_command(args: argparse.Namespace) -> int:
         result = plan(
             args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, opt_cfg=cfg, methods=args.methods,
             device=args.device, gradient_checkpointing=args.gradient_checkpointing, budget=args.budget,
-            grad_accum=args.grad_accum, kernels=args.kernels, gpu=args.gpu,
+            grad_accum=args.grad_accum, kernels=args.kernels, gpu=args.gpu, parallel=args.parallel,
+            world=args.world,
         )  # fmt: skip
     except (PlanError, ConfigFieldError) as err:
         print(f"sonar-fx plan: error: {err}", file=sys.stderr)
@@ -156,10 +166,16 @@ def format_plan(p: Plan) -> str:
         g = p.gpu
         budget = f"; {g.product}: usable {g.usable_bytes / scale:.2f} {unit} of {g.total_bytes / scale:.2f}"
     accum = f" x {p.grad_accum} micro-batches" if p.grad_accum > 1 else ""
+    experts = ", E/world experts per rank" if p.parallel == "ep" else ""
+    rank = (
+        f"; one rank of {p.world} ({p.parallel}: DDP's buckets among gradients{experts})"
+        if p.parallel
+        else ""
+    )
     return "\n".join([
         f"{p.model}: batch {p.batch} x seq {p.seq}{accum}, {p.dtype}, {p.optimizer['optimizer']} "
         f"(expert states {bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "
-        f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}, {p.kernels} kernels{budget}",
+        f"{'on' if p.gradient_checkpointing else 'off'}, {p.device}, {p.kernels} kernels{budget}{rank}",
         tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True),
         "Peak allocated bytes of training step 2 (optimizer states alive), split by what is alive at the "
         f"peak; {unit} = {scale:.0e} bytes. Predicted saving: expert gradients "

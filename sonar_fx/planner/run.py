@@ -31,6 +31,7 @@ from sonar_fx.planner.device import cuda_block_bytes, exact_bytes
 from sonar_fx.planner.fake import PlanError, PlanFakeMode, fake_parameters, lowbit_scratch, real_step_paths
 from sonar_fx.planner.kernels import op_scratch, select_kernels
 from sonar_fx.planner.models import ModelSource
+from sonar_fx.planner.parallel import Layout
 from sonar_fx.planner.scratch import cpu_kernel_scratch
 from sonar_fx.planner.tracker import StepTracker
 
@@ -86,6 +87,7 @@ class MethodRun:
         seq: int,
         grad_accum: int = 1,
         kernels: str = "torch",
+        rank: Layout | None = None,
     ) -> None:
         self.mode = PlanFakeMode()
         self.name = method
@@ -104,6 +106,8 @@ class MethodRun:
             kwargs["on_saving_lost"] = "warn"
         with self._planning():
             self.method: TrainingMethod = build_method(base, self.model, config, **kwargs)
+            if rank is not None:  # one rank of a parallel run: its engine's reduction
+                rank.set_up(self.method.optimizer)
             self.method.train_step(self._micro_batches(1, seq))  # creates the optimizer states
 
     def tracked_step(self, batch: int, seq: int, *, device: str = "cuda", keep_budget: int = 0) -> StepMemory:

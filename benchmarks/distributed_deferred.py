@@ -1,0 +1,473 @@
+"""Question: what do the deferred schedule's memory and time look like per rank on DDP, EP and FSDP2?
+
+Under the recipe people run: micro-batches accumulated without gradient sync but at the last, one
+clip.
+
+Each engine runs its plain recipe (every gradient kept until `step()`, `clip_grad_norm_`, fused AdamW)
+against Sonar's deferred schedule on the same engine, on `world` gloo processes, the OLMoE-shaped
+benchmark model (`benchmarks.workload.SHAPES`), `accum` micro-batches per step, the user's loop on both
+sides (DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync(False)`; on all but the last). Per rank:
+- memory (clip over every parameter): the step's peak of allocated bytes, the bytes alive at its start
+  (weights, optimizer states, gradients, DDP's buckets, the batch: storage bytes, FSDP2's shards) plus
+  the profiler's transient peak above it (`sonar_fx.memory.measure_peak`). The saving against the plain
+  engine is graded against what the design predicts: the expert-gradient bytes the plain engine holds
+  on the rank, less the two expert tensors the pipelined step holds (one in flight, one being
+  computed), less the kept operands. The planner's per-rank peak (`sonar_fx.plan(..., parallel=engine,
+  world=world)`; DDP and EP) is graded against the measured one;
+- time (paired ratios over `rounds` rounds, arms interleaved): the dense-only clip (one pass) and the
+  clip over all parameters (a norm pass that computes every expert gradient once more: the extra
+  weight-gradient GEMMs, timed apart by recomputing every gradient once from the kept operands, are
+  the floor of that ratio);
+- `--timeline` (`benchmarks.deferred_timeline`): live memory through one DDP step on each rank, each
+  expert gradient's all-reduce marked from its start to its wait.
+This module never asserts anything; the goals table grades it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sonar_fx.distributed as sd
+from benchmarks import common
+from benchmarks.common import Goal, Mode, Output, Override, Table, goal, mib
+from benchmarks.workload import SHAPES
+from sonar_fx.compiled import repeated_blocks
+from sonar_fx.config import AdamWConfig
+from sonar_fx.distributed.memory import ddp_bucket_bytes
+from sonar_fx.distributed.reductions import expert_parallel_norm
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.measure import fmt_ratio, paired_ratio
+from sonar_fx.memory import measure_peak, storage_bytes
+from sonar_fx.planner import plan
+from sonar_fx.workload import random_batches
+
+SCRIPT = "distributed_deferred"
+ENGINES = ("ddp", "ep", "fsdp2")
+"""Engines the script can run (`--engines`)."""
+MAX_NORM = 1e-3
+"""Below every step's norm: the clip scales every gradient on every step (both arms)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One run of this script."""
+
+    shape: str = "olmoe-cpu"
+    dtype: str = "bfloat16"
+    world: int = 2
+    batch: int = 2
+    seq: int = 32
+    accum: int = 4
+    """Micro-batches per step (`no_sync()` on all but the last)."""
+    engines: tuple[str, ...] = ("ddp", "ep")
+    """The default run's; FSDP2 with `--engines ddp ep fsdp2` (half as long again on 2 busy cores)."""
+    compilers: dict[str, str] = field(
+        default_factory=lambda: {"ddp": "eager", "ep": "aot_eager", "fsdp2": "eager"}
+    )
+    """Per engine: DDP's and FSDP2's eager capture keeps the grouped GEMMs' operands; expert
+    parallelism's own grouped-GEMM op is kept by its compiled blocks (eager, its gradient arrives whole:
+    nothing saved)."""
+    rounds: int = 15
+    """Timed rounds per pair (0: memory only)."""
+    warmup: int = 1
+
+
+QUICK = Config(shape="olmoe-micro", seq=16, accum=2, rounds=2)
+
+
+# ---------------------------------------------------------------------------------------- the arms
+
+
+@dataclass
+class Arm:
+    """One model on this rank: its engine's wrapper, its step, what it keeps."""
+
+    name: str
+    run: nn.Module
+    model: nn.Module
+    step: Callable[[], Any]
+    optimizers: list[torch.optim.Optimizer]
+    experts: list[nn.Parameter]
+    sonar: Any = None
+
+    def train(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        self.backwards(micro_batches)
+        self.step()
+
+    def backwards(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """The user's accumulation loop: gradient sync on the last micro-batch only (DDP's `no_sync()`,
+        FSDP2's `set_requires_gradient_sync(False)`)."""
+        for i, b in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if isinstance(self.run, DDP):
+                with nullcontext() if last else self.run.no_sync():
+                    self.run(**b).loss.backward()
+            else:
+                self.run.set_requires_gradient_sync(last)  # type: ignore[operator]
+                self.run(**b).loss.backward()
+
+    def start_bytes(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """Storage bytes alive when a step starts: weights, buffers, gradients, optimizer states, DDP's
+        buckets and the batch (each storage once)."""
+        tensors = [t for p in self.model.parameters() for t in (p, p.grad) if t is not None]
+        tensors += [
+            v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)
+        ]
+        tensors += [*self.model.buffers(), *(t for b in micro_batches for t in b.values())]
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # FSDP2: the rank's shards
+        buckets = ddp_bucket_bytes(self.run) if isinstance(self.run, DDP) else 0
+        return storage_bytes(local) + buckets
+
+
+def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
+    """The plain engine (`deferred=False`) or Sonar's deferred schedule on it, clipping `clip`."""
+    torch._dynamo.reset()
+    model = SHAPES[cfg.shape].build(getattr(torch, cfg.dtype), seed=0)
+    compiler = cfg.compilers[engine]
+    sonar_cfg = AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM, expert_clip="global" if clip == "all" else None)
+    name = f"{'deferred' if deferred else 'plain'} {engine}, clip {clip}"
+    if deferred:
+        wrap = {"ddp": sd.ddp, "ep": sd.expert_parallel, "fsdp2": sd.fsdp2}[engine]
+        kwargs = {} if compiler == "eager" else {"compiler": compiler}
+        run = wrap(model, sonar_cfg, schedule="deferred", **kwargs)
+        opt = run.sonar  # type: ignore[union-attr]
+        experts = list(opt.expert_group["params"])
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        return Arm(name, run, model, step, [opt], experts, sonar=opt)
+    run, experts = _plain_engine(model, engine, compiler)
+    dense = [p for p in model.parameters() if all(p is not e for e in experts)]
+    opt = torch.optim.AdamW([dict(params=dense), dict(params=experts)], lr=1e-3, fused=True)
+
+    def plain_step() -> None:
+        if engine == "ep":  # the rank's own experts: data-parallel averaging, as DDP gives dense grads
+            for p in experts:
+                p.grad.mul_(1.0 / dist.get_world_size())  # type: ignore[union-attr]
+        _clip(engine, dense, experts if clip == "all" else [])
+        opt.step()
+        opt.zero_grad()
+
+    return Arm(name, run, model, plain_step, [opt], experts)
+
+
+def _plain_engine(model: nn.Module, engine: str, compiler: str) -> tuple[nn.Module, list[nn.Parameter]]:
+    if engine == "fsdp2":  # the experts in their own fully_shard groups, as sd.fsdp2 lays them out
+        sd.fully_shard_experts(model)
+        return model, ExpertSet.discover(model).params
+    if engine == "ddp":
+        experts = ExpertSet.discover(model).params
+        wrapped = DDP(model)
+        return (wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)), experts
+    sd.shard_experts_(model)
+    found = ExpertSet.discover(model)
+    DDP._set_params_and_buffers_to_ignore_for_model(model, found.names)
+    if compiler != "eager":
+        for _, block in repeated_blocks(model, [layer.name for layer in found.layers]):
+            block.compile(backend=compiler)
+    return DDP(model), found.params
+
+
+def _clip(engine: str, dense: list[nn.Parameter], experts: list[nn.Parameter]) -> None:
+    """`clip_grad_norm_` over `dense + experts`; expert parallelism: torchtitan's norm (each rank's
+    experts counted once)."""
+    if engine != "ep" or not experts:
+        torch.nn.utils.clip_grad_norm_([*dense, *experts], MAX_NORM)
+        return
+    grads = [p.grad for p in dense], [p.grad for p in experts]
+    norms = [torch.nn.utils.get_total_norm(g) for g in grads]  # type: ignore[arg-type]
+    total = expert_parallel_norm(norms[0], norms[1], dist.group.WORLD)  # type: ignore[arg-type]
+    torch.nn.utils.clip_grads_with_norm_([*dense, *experts], MAX_NORM, total)
+
+
+def steps_of(cfg: Config, n: int, seed: int) -> list[list[dict[str, torch.Tensor]]]:
+    flat = random_batches(n * cfg.accum, batch=cfg.batch, seq=cfg.seq, seed=seed + dist.get_rank())
+    return [flat[i * cfg.accum : (i + 1) * cfg.accum] for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRow:
+    engine: str
+    rank: int
+    plain_peak: int
+    deferred_peak: int
+    expert_bytes: int
+    """The expert-gradient bytes the plain engine holds on this rank (EP: its E/world experts; FSDP2,
+    whose loop skips gradient sync: every expert's unsharded gradient until the synced backward)."""
+    two_tensors: int
+    """Two of the largest expert tensor's gradient: the one in flight and the one being computed."""
+    kept_bytes: int
+    """The deferred step's kept operands at their most (`DeferredGrads.last_peak_bytes`)."""
+    planned_peak: int
+    """`sonar-fx plan --parallel ENGINE --world N`'s peak (0: not planned, FSDP2)."""
+    overlapped: int
+    """Expert gradients computed while the collective of the one before ran, in the measured step."""
+
+    @property
+    def saving(self) -> int:
+        return self.plain_peak - self.deferred_peak
+
+    @property
+    def expected(self) -> int:
+        return self.expert_bytes - self.two_tensors - self.kept_bytes
+
+
+def measure_memory(cfg: Config, engine: str) -> MemoryRow:
+    """The clip over every parameter, plain and deferred: step 2's absolute peak on this rank."""
+    peaks, kept, overlapped, arm = {}, 0, 0, None
+    for deferred in (False, True):
+        arm = build(cfg, engine, deferred, "all")
+        steps = steps_of(cfg, cfg.warmup + 1, seed=1)
+        for micro in steps[:-1]:
+            arm.train(micro)  # optimizer states exist from here
+        start = arm.start_bytes(steps[-1])
+        overlapped_before = arm.sonar.deferred.overlapped if deferred else 0
+        _, peak = measure_peak(partial(arm.train, steps[-1]))
+        peaks[deferred] = start + peak.peak_bytes
+        if deferred:
+            kept, overlapped = (
+                arm.sonar.deferred.last_peak_bytes,
+                arm.sonar.deferred.overlapped - overlapped_before,
+            )
+    assert arm is not None
+    # What the plain engine holds: each expert tensor's whole gradient on the rank (EP: its E/world
+    # experts; FSDP2 under set_requires_gradient_sync(False): every expert's unsharded gradient).
+    sizes = [p.numel() * p.element_size() for p in arm.experts]
+    planned = None if engine == "fsdp2" else plan(
+        _shape_config(cfg), batch=cfg.batch,
+        seq=cfg.seq, dtype=getattr(torch, cfg.dtype), opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM),
+        methods=("sonar_deferred_global_clip",), device="cpu", grad_accum=cfg.accum, parallel=engine,
+        world=cfg.world,
+    )  # fmt: skip
+    return MemoryRow(
+        engine=engine, rank=dist.get_rank(), plain_peak=peaks[False], deferred_peak=peaks[True],
+        expert_bytes=sum(sizes), two_tensors=2 * max(sizes), kept_bytes=kept or 0,
+        planned_peak=0 if planned is None else planned.methods[0].peak_allocated_bytes, overlapped=overlapped,
+    )  # fmt: skip
+
+
+def _shape_config(cfg: Config) -> Any:
+    from sonar_fx.models.tiny import tiny_config
+
+    shape = SHAPES[cfg.shape]
+    return tiny_config(shape.base, **shape.overrides())
+
+
+# -------------------------------------------------------------------------------------------- time
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeRow:
+    engine: str
+    rank: int
+    clip: str
+    plain_s: list[float]
+    deferred_s: list[float]
+    extra_gemm_s: list[float]
+    """clip over all: every expert gradient computed once from the kept operands (the norm pass's
+    extra GEMMs), timed apart; empty for the dense-only clip."""
+
+
+def measure_time(cfg: Config, engine: str, clip: str) -> TimeRow:
+    """`cfg.rounds` rounds, each arm one timed step per round in alternating order (both ranks alike)."""
+    plain, deferred = build(cfg, engine, False, clip), build(cfg, engine, True, clip)
+    steps = steps_of(cfg, cfg.warmup + cfg.rounds, seed=100)
+    for micro in steps[: cfg.warmup]:
+        plain.train(micro)
+        deferred.train(micro)
+    times: dict[str, list[float]] = {"plain": [], "deferred": [], "extra": []}
+    for r, micro in enumerate(steps[cfg.warmup :]):
+        for arm in (plain, deferred) if r % 2 == 0 else (deferred, plain):
+            dist.barrier()
+            began = time.perf_counter()
+            arm.train(micro)
+            times["plain" if arm is plain else "deferred"].append(time.perf_counter() - began)
+        if clip == "all":
+            times["extra"].append(_extra_gemms(deferred, micro))
+    return TimeRow(engine=engine, rank=dist.get_rank(), clip=clip, plain_s=times["plain"],
+                   deferred_s=times["deferred"], extra_gemm_s=times["extra"])  # fmt: skip
+
+
+def _extra_gemms(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> float:
+    """The time of the norm pass's extra weight-gradient GEMMs: after a step's backwards, each expert
+    gradient computed once from the kept operands (and dropped); then the step is dropped
+    (`zero_grad()`: the next forward starts a fresh step)."""
+    arm.backwards(micro)
+    store = arm.sonar.deferred
+    began = time.perf_counter()
+    with torch.no_grad():
+        for p in arm.experts:
+            store.gradient(p, consume=False)
+    took = time.perf_counter() - began
+    arm.sonar.zero_grad()
+    return took
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, cfg: Config, port: int, out: str, job: Job) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # each rank's copy of the same warnings (crossover, deprecations)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg.world)
+    try:
+        records = [r for engine in cfg.engines for r in job(cfg, engine)]
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(records))
+
+
+Job = Callable[[Config, str], list[dict[str, Any]]]
+"""What each rank runs per engine (a module-level function: spawn pickles it by name)."""
+
+
+def memory_job(cfg: Config, engine: str) -> list[dict[str, Any]]:
+    return [asdict(measure_memory(cfg, engine))]
+
+
+def time_job(cfg: Config, engine: str) -> list[dict[str, Any]]:
+    return [asdict(measure_time(cfg, engine, clip)) for clip in ("dense", "all")]
+
+
+def per_rank(cfg: Config, job: Job) -> list[list[dict[str, Any]]]:
+    """Each rank's records of `job`, on `cfg.world` gloo processes."""
+    with tempfile.TemporaryDirectory() as out:
+        torch.multiprocessing.spawn(
+            _rank_main, args=(cfg, _free_port(), out, job), nprocs=cfg.world, join=True
+        )
+        return [json.loads(Path(out, f"rank{k}.json").read_text()) for k in range(cfg.world)]
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+
+def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
+    def m(n: int) -> str:
+        return f"{mib(n):.1f}"
+
+    body = [[r.engine, str(r.rank), m(r.plain_peak), m(r.deferred_peak), m(r.saving), m(r.expert_bytes),
+             m(r.two_tensors), m(r.kept_bytes), f"{r.saving / max(r.expected, 1):.2f}", *_planned(r),
+             str(r.overlapped)]
+            for r in rows]  # fmt: skip
+    note = (
+        f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank x "
+        f"{cfg.accum} micro-batches (no_sync() on all but the last), {cfg.world} gloo ranks, clip over every "
+        "parameter; "
+        f"compilers {cfg.compilers}. Peak = bytes alive at step 2's start (storage bytes, DDP's buckets "
+        "included) + the profiler's transient peak above it. expected = expert grads - two tensors - kept "
+        "operands; planned = `sonar-fx plan --parallel ENGINE --world N` (sonar_deferred_global_clip, "
+        "device cpu); overlapped = expert gradients computed while the one before was reduced."
+    )
+    headers = ["engine", "rank", "plain MiB", "deferred MiB", "saving MiB", "expert grads MiB",
+               "two tensors MiB", "kept operands MiB", "saving / expected", "planned MiB", "plan error",
+               "overlapped"]  # fmt: skip
+    return Table(title="Memory per rank", headers=headers, rows=body, note=note)
+
+
+def _planned(r: MemoryRow) -> list[str]:
+    if not r.planned_peak:
+        return ["-", "-"]
+    return [f"{mib(r.planned_peak):.1f}", f"{(r.planned_peak - r.deferred_peak) / r.deferred_peak:+.1%}"]
+
+
+def time_table(rows: list[TimeRow], cfg: Config) -> Table:
+    body = []
+    for r in rows:
+        floor = _floor(r)
+        body.append([r.engine, str(r.rank), r.clip, f"{statistics.median(r.plain_s) * 1e3:.0f}",
+                     fmt_ratio(paired_ratio(r.deferred_s, r.plain_s)),
+                     "-" if floor is None else f"{floor:.2f}x"])  # fmt: skip
+    note = (
+        f"{cfg.rounds} rounds, arms alternating, each round one step of {cfg.accum} micro-batches per arm "
+        "(after a barrier); ratio = deferred / plain on the same rank in the same round (median [IQR]). "
+        "floor (clip over all) = 1 + the norm pass's extra weight-gradient GEMMs (every expert gradient "
+        "computed once more from the kept operands, timed apart) / the plain step. Shared 2-core machine: "
+        "ratios, not absolute times."
+    )
+    headers = ["engine", "rank", "clip", "plain step ms", "deferred / plain", "floor (extra GEMMs)"]
+    return Table(title="Time per rank", headers=headers, rows=body, note=note)
+
+
+def _floor(r: TimeRow) -> float | None:
+    if not r.extra_gemm_s:
+        return None
+    return 1.0 + statistics.median(r.extra_gemm_s) / statistics.median(r.plain_s)
+
+
+def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
+    out = []
+    for r in memory:
+        out.append(goal(f"{SCRIPT}.saving", f"{r.engine} rank {r.rank}: saving / expected",
+                        r.saving / max(r.expected, 1)))  # fmt: skip
+        if r.planned_peak:
+            out.append(goal(f"{SCRIPT}.plan", f"{r.engine} rank {r.rank}: |planned - measured| / measured",
+                            abs(r.planned_peak - r.deferred_peak) / r.deferred_peak))  # fmt: skip
+    for t in times:
+        if t.clip == "dense":
+            name = f"{t.engine} rank {t.rank}: dense-only clip, deferred / plain"
+            out.append(goal(f"{SCRIPT}.dense_time", name, paired_ratio(t.deferred_s, t.plain_s)))
+    return out
+
+
+def run(cfg: Config) -> Output:
+    memory = [MemoryRow(**r) for rank in per_rank(cfg, memory_job) for r in rank]
+    times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
+    tables = [memory_table(memory, cfg)] + ([time_table(times, cfg)] if times else [])
+    records = [asdict(r) for r in memory] + [asdict(t) for t in times]
+    return Output(tables=tables, goals=goals(memory, times), records=records)
+
+
+TIMELINE = Mode(flag="--timeline", script="distributed_timeline",
+                question="When does each expert gradient's all-reduce run in the deferred step, per rank?",
+                default=Config(rounds=0), quick=replace(QUICK, rounds=0),
+                run=lambda cfg: _timeline().run_timeline(cfg))  # fmt: skip
+
+
+MODES = (TIMELINE,)
+
+
+def _timeline() -> Any:
+    from benchmarks import deferred_timeline  # it imports this module
+
+    return deferred_timeline
+
+
+def main(argv: list[str] | None = None) -> None:
+    engines = Override(field="engines", choices=ENGINES, many=True, help="engines to run (default: ddp ep)")
+    common.main(
+        SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=[engines], modes=MODES
+    )
+
+
+if __name__ == "__main__":
+    main()

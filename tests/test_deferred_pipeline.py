@@ -1,0 +1,121 @@
+"""The deferred step's pipelining (`sonar_fx.optim.deferred_pipeline`), in one process: each expert
+gradient's reduction is started as soon as the gradient exists, runs while the next one is computed,
+and is waited before its norm or update; never more than two expert gradients alive at once.
+
+A reduction stands in for the engine's (`step_reduction`): it leaves the gradient as it is (so the run
+is bitwise the plain-torch twin of `test_deferred`), hands back a handle that says a collective is in
+flight, and logs when each is started and waited; the store's `gradient` logs when each computation
+begins. The 2-rank runs with DDP's real asynchronous all-reduce are in test_distributed_deferred.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from sonar_fx.optim import deferred_step
+from sonar_fx.optim.reduction import Reduced, StepReduce
+
+from helpers import assert_same_weights
+from test_deferred import pair, run_steps
+
+
+@dataclass
+class _InFlight:
+    grad: torch.Tensor
+    log: list[tuple[str, str]]
+    name: str
+    in_flight: bool = True
+
+    def wait(self) -> torch.Tensor:
+        self.log.append(("wait", self.name))
+        return self.grad
+
+
+@dataclass
+class Recorder:
+    """A stand-in reduction and the events of each step: ("compute" | "start" | "wait", tensor name)."""
+
+    in_flight: bool = True
+    log: list[tuple[str, str]] = field(default_factory=list)
+    started: list[weakref.ref] = field(default_factory=list)
+    most_started_alive: int = 0
+    """The most gradients started earlier still alive (not garbage) when a computation begins."""
+
+    def reduce(self, name: str, grad: torch.Tensor):
+        self.log.append(("start", name))
+        self.started.append(weakref.ref(grad))
+        return _InFlight(grad, self.log, name) if self.in_flight else Reduced(grad)
+
+    def watch(self, opt) -> None:
+        store, compute = opt.deferred, opt.deferred.gradient
+
+        def logged(param, **kwargs):
+            self.log.append(("compute", opt.expert_name(param)))
+            alive = sum(ref() is not None for ref in self.started)
+            self.most_started_alive = max(self.most_started_alive, alive)
+            return compute(param, **kwargs)
+
+        store.gradient = logged
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    def build(in_flight: bool, accum: int, clip: str = "all"):
+        recorder = Recorder(in_flight=in_flight)
+        at_step: StepReduce = recorder.reduce
+        monkeypatch.setattr(deferred_step, "step_reduction", lambda distributed: at_step)
+        model, opt, twin_model, twin = pair("eager", torch.float32, clip)
+        recorder.watch(opt)
+        run_steps(model, opt, twin, accum, steps=2)
+        return recorder, model, opt, twin_model
+
+    return build
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_each_reduction_runs_while_the_next_gradient_is_computed_and_stays_bitwise(recorded, accum):
+    recorder, model, opt, twin_model = recorded(in_flight=True, accum=accum)
+    assert_same_weights(model, twin_model)  # the order of waits changes no bit
+    names = [opt.expert_name(p) for p in opt.expert_group["params"]]
+    log = recorder.log
+    # One step, norm pass then update pass: each pass starts every tensor's reduction once, in order.
+    passes = [log[: len(log) // 4], log[len(log) // 4 : len(log) // 2]]
+    for events in passes:
+        assert [n for e, n in events if e == "start"] == names
+        assert [n for e, n in events if e == "wait"] == names  # waited in the order started
+        for before, after in itertools.pairwise(names):
+            order = [("start", before), ("compute", after), ("wait", before)]
+            started, computing, waited = (events.index(event) for event in order)
+            # g[i]'s reduction was started before g[i+1]'s computation began and waited only after.
+            assert started < computing < waited, events
+    assert opt.report()["deferred"]["overlapped"] == 2 * 2 * (len(names) - 1)  # 2 passes x 2 steps
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_at_most_two_expert_gradients_alive_at_once(recorded, accum):
+    """The meter (the honest count) and the tensors themselves: the one in flight and the one being
+    computed; its second piece (a micro-batch's, beside its running sum) waits for room."""
+    recorder, _, opt, _ = recorded(in_flight=True, accum=accum)
+    sizes = [p.numel() * p.element_size() for p in opt.expert_group["params"]]
+    pairs = [a + b for a, b in itertools.pairwise(sizes)]
+    assert opt.deferred.crossed == {} and opt.report()["deferred"]["kept_whole"] == []  # nothing held
+    peak = opt.meter.last_peak
+    assert peak <= max(*pairs, *(2 * s for s in sizes)), (peak, sizes)  # two at most, beside the operands
+    assert peak >= min(pairs), (peak, sizes)  # and two were alive: the overlap is counted, not hidden
+    assert recorder.most_started_alive <= 1  # no gradient outlives its update but the one in flight
+
+
+def test_negative_control_nothing_in_flight_finishes_each_at_once(recorded):
+    """A reduction with nothing in flight (one process, expert parallelism) is finished as soon as
+    it is started: no overlap, one gradient alive at a time (two only while pieces are summed)."""
+    recorder, model, opt, twin_model = recorded(in_flight=False, accum=1)
+    assert_same_weights(model, twin_model)
+    sizes = [p.numel() * p.element_size() for p in opt.expert_group["params"]]
+    assert opt.meter.last_peak == max(sizes)
+    assert opt.report()["deferred"]["overlapped"] == 0
+    assert recorder.most_started_alive == 0
