@@ -141,16 +141,17 @@ def _sum(
     place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written. A slice's
     contribution is added into its slice of the sum (a zero-filled one if it comes first): autograd adds
     it padded with zeros, and x + 0 is x (a -0.0 may come out +0.0, equal values no update tells apart).
-    `before_piece` is called before each contribution is read."""
+    `before_piece` is called before each gradient-sized tensor is made (a slice's is not one)."""
     total = None
     for entry in group:
-        before_piece()
         into = entry.into() if isinstance(entry, _Kept) else None
         if isinstance(entry, _Kept) and into is not None:  # one slice's gradient: into the sum's slice
             if total is None:
+                before_piece()
                 total = param.new_zeros(param.shape)  # SelectBackward's zeros: contiguous, param's dtype
             total.select(*into).add_(entry.gradient(param))
             continue
+        before_piece()
         grad = entry.gradient(param) if isinstance(entry, _Kept) else entry
         if total is None:
             total = grad if own or isinstance(entry, _Kept) else grad.clone()
