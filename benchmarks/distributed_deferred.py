@@ -146,9 +146,9 @@ def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
     name = f"{'deferred' if deferred else 'plain'} {engine}, clip {clip}"
     if deferred:
         wrap = {"ddp": sd.ddp, "ep": sd.expert_parallel, "fsdp2": sd.fsdp2}[engine]
-        kwargs = {} if compiler == "eager" else {"compiler": compiler}
-        run = wrap(model, sonar_cfg, schedule="deferred", **kwargs)
-        opt = run.sonar  # type: ignore[union-attr]
+        kwargs: dict[str, Any] = {} if compiler == "eager" else {"compiler": compiler}
+        run: Any = wrap(model, sonar_cfg, schedule="deferred", **kwargs)
+        opt = run.sonar
         experts = list(opt.expert_group["params"])
 
         def step() -> None:
@@ -158,20 +158,20 @@ def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
         return Arm(name, run, model, step, [opt], experts, sonar=opt)
     run, experts = _plain_engine(model, engine, compiler)
     dense = [p for p in model.parameters() if all(p is not e for e in experts)]
-    opt = torch.optim.AdamW([dict(params=dense), dict(params=experts)], lr=1e-3, fused=True)
+    plain = torch.optim.AdamW([dict(params=dense), dict(params=experts)], lr=1e-3, fused=True)
 
     def plain_step() -> None:
         if engine == "ep":  # the rank's own experts: data-parallel averaging, as DDP gives dense grads
             for p in experts:
                 p.grad.mul_(1.0 / dist.get_world_size())  # type: ignore[union-attr]
         _clip(engine, dense, experts if clip == "all" else [])
-        opt.step()
-        opt.zero_grad()
+        plain.step()
+        plain.zero_grad()
 
-    return Arm(name, run, model, plain_step, [opt], experts)
+    return Arm(name, run, model, plain_step, [plain], experts)
 
 
-def _plain_engine(model: nn.Module, engine: str, compiler: str) -> tuple[nn.Module, list[nn.Parameter]]:
+def _plain_engine(model: nn.Module, engine: str, compiler: str) -> tuple[Any, list[nn.Parameter]]:
     if engine == "fsdp2":  # the experts in their own fully_shard groups, as sd.fsdp2 lays them out
         sd.fully_shard_experts(model)
         return model, ExpertSet.discover(model).params
