@@ -8,14 +8,14 @@ Three pieces, each set up by `sonar_fx.distributed.fsdp2` / `fsdp2_ep` under sch
   parameter across steps, re-filled by each all-gather) to the optimizer in Sonar's registry, so the
   eager capture and the graph pass keep their operands under the sharded parameter. The unsharded
   parameter then gets no gradient, and FSDP2 reduce-scatters nothing for it in backward.
-- Reduction. `reduce_scatter_to_shard` is FSDP2's `foreach_reduce` for one parameter, built from
-  FSDP2's own pieces and its group's own settings (`_get_gradient_divide_factors`: ReduceOp.AVG for
-  fp32/bf16, or PREMUL_SUM / SUM and a post-divide where the group forces sums or sets a divide factor,
-  fp16's pre- and post-divide; the chunk_cat copy-in; the group's reduce-scatter; the cast to the
-  parameter's dtype), so each element is the same op on the same operands as in plain FSDP2. It is
-  split into `start_reduce_scatter` (the collective in flight) and `finish_reduce_scatter` (wait, give
-  back the rank's shard as a DTensor): `step_reduce` starts it and the deferred step waits for it only
-  after computing the next tensor's gradient (`sonar_fx.optim.deferred_pipeline`), so the collective
+- Reduction. FSDP2's `foreach_reduce` for one parameter, built from FSDP2's own pieces and its
+  group's own settings (`_get_gradient_divide_factors`: ReduceOp.AVG for fp32/bf16, or PREMUL_SUM /
+  SUM and a post-divide where the group forces sums or sets a divide factor, fp16's pre- and
+  post-divide; the chunk_cat copy-in; the group's reduce-scatter; the cast to the parameter's dtype),
+  so each element is the same op on the same operands as in plain FSDP2. It is split into
+  `start_reduce_scatter` (the collective in flight) and `finish_reduce_scatter` (wait, give back the
+  rank's shard as a DTensor): `step_reduce` starts it and the deferred step waits for it only after
+  computing the next tensor's gradient (`sonar_fx.optim.deferred_pipeline`), so the collective
   overlaps that GEMM. A
   gradient that arrived whole (a use of the weight no capture keeps) went through FSDP2's own
   reduce-scatter in backward and reaches `step()` as that shard (a DTensor): it passes through.
@@ -141,11 +141,6 @@ def finish_reduce_scatter(pending: PendingShard) -> Tensor:
     fsdp_param = pending.expert.fsdp_param
     shard = torch.as_strided(output, fsdp_param.sharded_size, fsdp_param.contiguous_sharded_stride, 0)
     return fsdp_param.to_sharded_dtensor(shard)
-
-
-def reduce_scatter_to_shard(expert: ShardedExpert, full: Tensor) -> Tensor:
-    """FSDP2's reduction of one expert gradient computed at `step()`: its shard on this rank."""
-    return finish_reduce_scatter(start_reduce_scatter(expert, full))
 
 
 @dataclass
