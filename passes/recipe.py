@@ -129,11 +129,24 @@ def needs_program(recipe_operands: list[Node], chain: set[Node]) -> bool:
     """Whether a single-op recipe would keep a tensor the backward computes for this gradient alone
     (a non-view node all of whose users are in `chain`, the gradient's producer and views): then the
     recipe would hold what the graph frees at once (batched_mm: the product of its bmm, one expert-sized
-    slab per routed token), and a `Program` recomputes it from what the graph holds anyway."""
+    slab per routed token), and a `Program` recomputes it from what the graph holds anyway. One output
+    of a multi-output op whose other outputs the graph reads (sonicmoe's activation backward: dx and
+    a') is not: a program would run the whole op again and keep all its inputs; keeping that output is
+    less."""
     return any(
-        n.op == "call_function" and not is_view_node(n) and all(u in chain for u in n.users)
+        n.op == "call_function"
+        and not is_view_node(n)
+        and all(u in chain for u in n.users)
+        and not _one_of_several_outputs(n)
         for n in recipe_operands
     )
+
+
+def _one_of_several_outputs(node: Node) -> bool:
+    """`node` is a getitem of an op whose other outputs are read too."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], Node):
+        return False
+    return any(u is not node for u in node.args[0].users)
 
 
 def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
