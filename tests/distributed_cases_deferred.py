@@ -78,19 +78,24 @@ def train_sonar(
     for micro_batches in data:
         accumulate(run, micro_batches, sync)
         if seen is not None:
-            experts = opt.expert_group["params"]
-            seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
-            held = [p for p in experts if opt.deferred.crossed_over(p) or opt.deferred.arrived_whole(p)]
-            seen["held"] = len(held)  # gradients held from backward to step() (crossed over, or whole)
-            seen["held_bytes"] = sum(p.numel() * p.element_size() for p in held)
-            seen["kept_bytes"] = opt.deferred.live_bytes
-            seen["expert_grad_bytes"] = sum(p.numel() * p.element_size() for p in experts)
-            seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
+            record_before_step(opt, seen)
         opt.step()
         opt.zero_grad()
         logged = opt.grad_norms()
         norms.append(logged["total"] if clip == "all" else logged["dense"])
     return norms
+
+
+def record_before_step(opt: Any, seen: dict) -> None:
+    """What the optimizer holds between the last backward and `step()` (the memory claims)."""
+    experts = opt.expert_group["params"]
+    seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
+    held = [p for p in experts if opt.deferred.crossed_over(p) or opt.deferred.arrived_whole(p)]
+    seen["held"] = len(held)  # gradients held from backward to step() (crossed over, or whole)
+    seen["held_bytes"] = sum(p.numel() * p.element_size() for p in held)
+    seen["kept_bytes"] = opt.deferred.live_bytes
+    seen["expert_grad_bytes"] = sum(p.numel() * p.element_size() for p in experts)
+    seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
 
 
 def train_plain(

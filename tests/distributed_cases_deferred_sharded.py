@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from distributed_cases_deferred import record_before_step
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
@@ -121,11 +122,7 @@ def train_sonar(model: Any, data: list[list[dict]], clip: str, seen: dict | None
     for micro_batches in data:
         accumulate(model, micro_batches, "last", seen)
         if seen is not None:
-            experts = opt.expert_group["params"]
-            seen["expert_grads_alive"] = sum(p.grad is not None for p in experts)
-            seen["kept_bytes"] = opt.deferred.live_bytes
-            seen["expert_grad_bytes"] = sum(p.numel() * p.element_size() for p in experts)
-            seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
+            record_before_step(opt, seen)
         opt.step()
         opt.zero_grad()
         logged = opt.grad_norms()
