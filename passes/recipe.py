@@ -61,6 +61,26 @@ class Recipe:
         return out
 
 
+Into = tuple[int, int] | tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def region_of(total: Tensor, into: Into) -> Tensor:
+    """The part of `total` (a contiguous tensor of the parameter's shape) that `into` names."""
+    if len(into) == 2:
+        return total.select(into[0], into[1])
+    size, stride, offset = into
+    return total.as_strided(size, stride, total.storage_offset() + offset)
+
+
+def _into(data: Any) -> Into | None:
+    """`Program.into` from its JSON (lists back to tuples)."""
+    if not data:
+        return None
+    if len(data) == 2:
+        return (data[0], data[1])
+    return (tuple(data[0]), tuple(data[1]), data[2])
+
+
 @dataclass(frozen=True)
 class Program:
     steps: list[tuple[str, list[Any], dict[str, Any]]]
@@ -68,9 +88,10 @@ class Program:
     output by index."""
     result: int = -1
     """Which step's result is the gradient (an in-place last step returns what it wrote into)."""
-    into: tuple[int, int] | None = None
-    """(dim, index): the result is the gradient of the slice `param.select(dim, index)` alone, zero
-    elsewhere (what autograd's SelectBackward pads with zeros): the sum adds it into that slice."""
+    into: Into | None = None
+    """Where the result lies in the parameter's gradient, zero elsewhere (what autograd's view backwards
+    pad with zeros): (dim, index), the slice `param.select(dim, index)`; or (size, stride, offset), the
+    elements a view of the (contiguous) parameter reads. The sum adds it there (`region_of`)."""
 
     def to_json(self) -> str:
         data = {"steps": self.steps, "result": self.result, "into": self.into}
@@ -90,10 +111,7 @@ def load_recipe(text: str) -> Recipe | Program:
     """A `Recipe` or a `Program` from its JSON (cached: a graph hands the same text every backward)."""
     data = json.loads(text)
     if isinstance(data, dict):
-        into = data.get("into")
-        return Program(
-            [(s[0], s[1], s[2]) for s in data["steps"]], data["result"], into and (into[0], into[1])
-        )
+        return Program([(s[0], s[1], s[2]) for s in data["steps"]], data["result"], _into(data.get("into")))
     return Recipe.from_json(text)
 
 

@@ -20,7 +20,7 @@ from sonar_fx.config import OPTIMIZER_CONFIGS, MuonConfig, OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import DEFAULT_EXPERT_BIASES, ExpertBiases, ExpertSet
 from sonar_fx.optim.backward_root import mark_backward_root
-from sonar_fx.optim.defer_eager import register_defer_hooks
+from sonar_fx.optim.defer_eager import defer_modules, register_defer_hooks
 from sonar_fx.optim.deferred_loop import ZeroGradWithKept
 from sonar_fx.optim.matrices import matrix_params
 from sonar_fx.optim.optimizer import Accumulation, Granularity, NonFinite, Schedule, SonarOptimizer
@@ -114,7 +114,7 @@ def _prepare(
     model.__dict__["sonar"] = optimizer  # a plain attribute: not a submodule, not in state_dict()
     model.register_forward_hook(mark_backward_root)  # where each backward begins, for the step tracker
     if schedule == "deferred":  # eager forwards keep their GEMM operands; compiled ones get the pass
-        register_defer_hooks(model.get_submodule(layer.name) for layer in found.layers)
+        register_defer_hooks(defer_modules(model, found.layers))
         model.zero_grad = ZeroGradWithKept(model)  # type: ignore[method-assign]  # drops the kept gradients too
     return optimizer
 

@@ -4,8 +4,10 @@ model's kernel (`sonar_fx::grouped_mm`), eager and compiled (transformers' group
 test_deferred.py). Each path against its own standard run in plain torch (`Twin`: fused AdamW, the clip
 over every parameter, 4 micro-batches per step), `torch.equal` on every parameter; and each keeps, at
 its peak, operands plus one gradient below the whole gradients. The zoo's families (tests/families.py)
-keep no gradient whole but the exceptions named here with why: the eager loop under torch.compile,
-and in eager four forms no capture knows (`KEPT_WHOLE`).
+keep no gradient whole but the one exception named here with why: the eager loop under torch.compile.
+In eager no family keeps a gradient whole: the per-expert forms (loops over slices of other forms,
+rows of per-expert vectors, embedding gathers) are tests/test_deferred_forms.py's, with the tensors
+that cross over by the rule named there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.models import build_model
 from sonar_fx.passes.recipe import Program, load_recipe
 
-from helpers import assert_same_weights, batches, known_library_failure
+from helpers import assert_same_weights, batches
 from test_deferred import MAX_NORM, Twin, cfg_for
 
 PATHS = {
@@ -190,19 +192,6 @@ ZOO = [
     ("longcat_flash", "eager"),  # zero-computation experts
     ("llama4_text", None),  # one bmm over the batched weight itself
 ]
-KEPT_WHOLE = {
-    # family (experts implementation): the expert tensors whose gradient autograd still computes
-    # whole in eager, and why no capture keeps their operands.
-    ("gpt_oss", "grouped_mm"): ("_bias", "per-expert biases added as gathered rows (`bias[ids]`), no GEMM"),
-    ("jetmoe", None): ("self_attention.experts", "attention experts: a per-expert loop of its own form"),
-    ("dbrx", None): (".mlp.", "fused 2-D experts read as per-expert views of a 2-D weight in a loop"),
-    ("doge", None): ("_embed", "embedding-style experts: a per-token embedding gather, no GEMM"),
-}
-"""The exceptions named (family, implementation) -> (a name fragment of every tensor kept whole, why).
-Measured over every family of the zoo and experts implementation: these are the only ones kept whole
-in eager (besides transformers' own `eager` loop of gpt_oss and aria_text, which have their own form)."""
-
-
 ZOO_COMPILED = [
     pytest.param(t, i, "aot_eager", marks=pytest.mark.slow)  # two compiles each: over 10 s
     for t, i in [("qwen2_moe", "batched_mm"), ("gpt_oss", "grouped_mm")]  # gpt-oss: biases too
@@ -225,24 +214,6 @@ def test_zoo_families_keep_operands_for_every_expert_tensor(model_type, implemen
     assert (
         report["deferred"]["kept_whole"] == [] and report["updates_deferred"] == 2 * report["expert_tensors"]
     )
-
-
-@pytest.mark.parametrize(("model_type", "implementation"), list(KEPT_WHOLE))
-@pytest.mark.usefixtures("deferred_saving_lost")
-def test_zoo_exceptions_are_kept_whole_exactly_and_named(model_type, implementation, request):
-    from families import differing, train
-
-    if model_type == "doge":
-        request.applymarker(known_library_failure(forward_of="doge"))
-    fragment, _why = KEPT_WHOLE[model_type, implementation]
-    twin, _, twin_error = train(
-        "standard_no_expert_clip", model_type, "eager", 2, implementation=implementation
-    )
-    sonar, m, error = train("sonar_deferred", model_type, "eager", 2, implementation=implementation)
-    assert error is None and twin_error is None, (error, twin_error)
-    assert not differing(sonar, twin)  # exact all the same
-    whole = m.optimizer.report()["deferred"]["kept_whole"]
-    assert whole and all(fragment in name for name in whole), whole
 
 
 def test_a_program_round_trips_through_json_with_its_constants():

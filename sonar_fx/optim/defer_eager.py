@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.hooks import RemovableHandle
 
+from sonar_fx.experts.discovery import ExpertLayer
+from sonar_fx.optim import defer_eager_forms as forms
 from sonar_fx.optim import defer_eager_paths as paths
 from sonar_fx.runtime.registry import owner_of
 
@@ -34,7 +36,9 @@ def _captures() -> dict[Any, Callable[..., paths.Capture | None]]:
     )
     table[torch.ops.sonar_fx.grouped_mm.default] = paths.capture_sonar_grouped_mm
     table.update(dict.fromkeys((torch.bmm, Tensor.bmm), paths.capture_gathered_bmm))
-    table[torch.nn.functional.linear] = paths.capture_slice_linear
+    table.update(dict.fromkeys((torch.nn.functional.linear, *forms.MM_CALLS), forms.capture_slice_gemm))
+    table[Tensor.__getitem__] = forms.capture_vector_rows
+    table[torch.nn.functional.embedding] = forms.capture_embedding
     return table
 
 
@@ -84,22 +88,38 @@ class _KeepOperands(torch.autograd.Function):
         return (dy, None, None, *(None for _ in saved))
 
 
+def defer_modules(model: nn.Module, layers: Iterable[ExpertLayer]) -> list[nn.Module]:
+    """The modules whose eager forward enters `DeferGemms`: each experts module, and each module that
+    owns an expert tensor (jetmoe's attention experts run their experts through `map` and `reduce`,
+    never their own forward; the projections they call own the weights)."""
+    names: dict[str, None] = {}
+    for layer in layers:
+        names[layer.name] = None
+        names.update((t.name.rpartition(".")[0], None) for t in layer.tensors)
+    return [model.get_submodule(name) for name in names]
+
+
 def register_defer_hooks(modules: Iterable[nn.Module]) -> list[RemovableHandle]:
-    """Enter `DeferGemms` for the eager forward of each module in `modules` (the experts modules);
-    a forward dynamo traces is left alone (the graph pass defers there)."""
+    """Enter `DeferGemms` for the eager forward of each module in `modules` (`defer_modules`), once: a
+    module inside another's forward finds the mode entered; a forward dynamo traces is left alone (the
+    graph pass defers there)."""
     handles = []
     for module in modules:
-        entered: list[DeferGemms] = []
+        entered: list[DeferGemms | None] = []
 
-        def enter(_m: nn.Module, _a: Any, entered: list[DeferGemms] = entered) -> None:
+        def enter(_m: nn.Module, _a: Any, entered: list[DeferGemms | None] = entered) -> None:
             if not torch.compiler.is_compiling():
-                mode = DeferGemms()
-                mode.__enter__()
+                nested = any(isinstance(m, DeferGemms) for m in _get_current_function_mode_stack())
+                mode = None if nested else DeferGemms()
+                if mode is not None:
+                    mode.__enter__()
                 entered.append(mode)
 
-        def leave(_m: nn.Module, _a: Any, _o: Any, entered: list[DeferGemms] = entered) -> None:
+        def leave(_m: nn.Module, _a: Any, _o: Any, entered: list[DeferGemms | None] = entered) -> None:
             if entered and not torch.compiler.is_compiling():
-                entered.pop().__exit__(None, None, None)
+                mode = entered.pop()
+                if mode is not None:
+                    mode.__exit__(None, None, None)
 
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave, always_call=True))

@@ -11,11 +11,8 @@ gradient is bitwise autograd's:
 - `bmm` on gathered rows `W[ids]` (transformers' batched_mm): `dy.bmm(x^T)` (or `x^T.bmm(dy)` for a
   transposed layout), then IndexBackward's zero-filled, accumulating `_index_put_impl_` in slot order;
   `bmm` on the batched weight itself (Llama-4's experts): the bmm derivative alone;
-- `linear` on one expert's slice `W[e]` (transformers' eager loop): `dy^T.mm(x)` (mm's weight gradient
-  for the column-major `W[e].t()`), a contribution to that slice alone (`Program.into`). Autograd's
-  SelectBackward pads it with zeros and its input buffer sums the padded slices in arrival order; the
-  store adds each into its slice of one zero-filled sum instead (`deferred._sum`): the same values, as
-  off its slice each contribution is zero and 0 + x is x, without a whole tensor per expert.
+- the per-expert forms (a GEMM on one expert's slice in a loop, rows of per-expert vectors, embedding
+  gathers): `defer_eager_forms`.
 Pure torch over what the call hands over; never updates a weight.
 """
 
@@ -214,29 +211,3 @@ def _dy_other_ids(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
 def _other_dy_ids(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
     other, ids = saved
     return [other, dy, ids]
-
-
-# --------------------------------------------------------- linear on one expert's slice (eager loop)
-
-
-def capture_slice_linear(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
-    x, w = args[0], (args[1] if len(args) > 1 else kwargs.get("weight"))
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or bias is not None or x.dim() != 2:
-        return None
-    found = _gathered_from(w, "SelectBackward0")
-    if found is None or w.dim() != 2 or w.stride(1) != 1 or w.stride(0) != w.shape[1]:
-        return None  # a slice in another layout takes another mm kernel path: left to autograd
-    param, fn = found
-    dim, index = int(fn._saved_dim), int(fn._saved_index)
-    dim = dim % param.dim()
-    steps: list[tuple[str, list[Any], dict[str, Any]]] = [
-        ("aten.t.default", [{"operand": 0}], {}),
-        ("aten.mm.default", [{"step": 0}, {"operand": 1}], {}),
-    ]
-    recipe = Program(steps, into=(dim, index)).to_json()
-    return Capture(func(x, w.detach()), param, (x.detach(),), Keep(recipe, _dy_x))
-
-
-def _dy_x(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
-    return [dy, saved[0]]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.passes.recipe import Program, load_recipe
+from sonar_fx.passes.recipe import Into, Program, load_recipe, region_of
 from sonar_fx.runtime.engine import gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
@@ -57,8 +57,8 @@ class _Kept:
     operands: list[Tensor | _WeightView]
     nbytes: int
 
-    def into(self) -> tuple[int, int] | None:
-        """(dim, index) when this contribution is the gradient of one slice of the parameter alone."""
+    def into(self) -> Into | None:
+        """Where in the parameter this contribution lies alone (`Program.into`), or None: everywhere."""
         recipe = load_recipe(self.recipe)
         return recipe.into if isinstance(recipe, Program) else None
 
@@ -149,7 +149,7 @@ def _sum(
             if total is None:
                 before_piece()
                 total = param.new_zeros(param.shape)  # SelectBackward's zeros: contiguous, param's dtype
-            total.select(*into).add_(entry.gradient(param))
+            region_of(total, into).add_(entry.gradient(param))
             continue
         before_piece()
         grad = entry.gradient(param) if isinstance(entry, _Kept) else entry
