@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import sonar_fx
 from sonar_fx.memory import ExpertGradBytes
@@ -26,6 +27,7 @@ from test_deferred import MAX_NORM, Twin, cfg_for
 FORMS = {
     ("gpt_oss", "eager"): "transformers' loop: `x @ W[e] + b[e]` (a row-major slice, a selected bias row)",
     ("gpt_oss", "grouped_mm"): "biases as gathered rows `b[ids]` added to the grouped GEMM's output",
+    ("gpt_oss", "batched_mm"): "biases as gathered rows `b[ids]` added to the batched GEMM's output",
     ("aria_text", "eager"): "transformers' loop: `x @ W[e]`",
     ("dbrx", None): "fused 2-D experts: `x.matmul(W.view(E, f, h)[e].T)`, one view per expert",
     ("doge", None): "embedding-style experts: `embedding(ids, W)`",
@@ -37,6 +39,7 @@ CROSSES_OVER = {
         "_bias",
         "a bias's rows' gradient is one row per routed slot (32 tokens x top-2) against 8 experts' rows",
     ),
+    ("gpt_oss", "batched_mm"): ("_bias", "the same rows as under grouped_mm"),
     ("doge", None): ("_embed", "an embedding's rows' gradient is one row per token and pick (64) against 8"),
     ("jetmoe", None): (
         "_linear",
@@ -55,6 +58,37 @@ WIDE = {
 }
 """Config overrides with more experts than one micro-batch's routed slots (below every crossover)."""
 ACCUM, STEPS = 4, 2
+
+
+class Forms(nn.Module):
+    """Every per-expert form on one layer's expert tensors, each expert read twice (its slices' pieces
+    are summed), the routed ids repeated (the rows' gradients accumulate): `linear(x, W[e])`,
+    `x @ V[e]`, dbrx's `x.matmul(F.view(E, f, d)[e].T)`, a bias as `b[e]` and as `b[ids]`, and
+    `embedding(ids, T)`. More experts than routed slots: nothing crosses over, every recipe runs at the
+    step."""
+
+    def __init__(self, dtype: torch.dtype, experts: int = 32, d: int = 8, f: int = 6) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.shape = (experts, f, d)
+        self.w_Efd = nn.Parameter(torch.randn(experts, f, d, generator=g, dtype=dtype))
+        self.v_Efd = nn.Parameter(torch.randn(experts, f, d, generator=g, dtype=dtype))
+        self.fused_Ef_d = nn.Parameter(torch.randn(experts * f, d, generator=g, dtype=dtype))
+        self.b_Ef = nn.Parameter(torch.randn(experts, f, generator=g, dtype=dtype))
+        self.table_Ed = nn.Parameter(torch.randn(experts, d, generator=g, dtype=dtype))
+        self.scale = nn.Parameter(torch.ones((), dtype=dtype))  # a dense tensor (its gradient in .grad)
+
+    def forward(self, x_Td: torch.Tensor, ids_T: torch.Tensor) -> torch.Tensor:
+        total = (self.b_Ef[ids_T] * x_Td[:, : self.shape[1]]).sum()
+        total = total + (torch.nn.functional.embedding(ids_T, self.table_Ed) * x_Td).sum()
+        for e in [0, 1, 2, 0, 1]:
+            h = torch.nn.functional.linear(x_Td[ids_T == e], self.w_Efd[e]) + self.b_Ef[torch.tensor(e)]
+            h = (h @ self.v_Efd[e]).matmul(self.fused_Ef_d.view(self.shape)[e].T)
+            total = total + h.square().sum()
+        return total * self.scale
+
+
+EXPERT_NAMES = ["w_Efd", "v_Efd", "fused_Ef_d", "b_Ef", "table_Ed"]
 
 
 def deferred(model_type: str, implementation: str | None, **overrides):
@@ -149,3 +183,25 @@ def test_the_named_exceptions_cross_over_by_the_rule(model_type, implementation)
     report = opt.report()["deferred"]
     assert sorted(report["crossed_over"]) == sorted(n for n in experts if fragment in n), report
     assert report["kept_whole"] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_forms_recipe_is_autograds_gradient(dtype):
+    """Per tensor, the gradient the step computes from the kept operands equals autograd's, bitwise."""
+    model = Forms(dtype)
+    twin = copy.deepcopy(model)
+    sonar_fx.compile(model, cfg_for("all"), compiler="eager", schedule="deferred", experts=EXPERT_NAMES)
+    g = torch.Generator().manual_seed(1)
+    x_Td, ids_T = torch.randn(12, 8, generator=g, dtype=dtype), torch.randint(0, 3, (12,), generator=g)
+    model(x_Td, ids_T).backward()
+    twin(x_Td, ids_T).backward()
+    opt, grads = model.sonar, {n: p.grad for n, p in twin.named_parameters()}
+    report = opt.report()["deferred"]
+    assert report["kept_whole"] == [] and report["crossed_over"] == {}, report
+    for name in EXPERT_NAMES:
+        param = getattr(model, name)
+        assert param.grad is None and opt.deferred.kept[id(param)].groups(), name  # operands, no gradient
+        assert torch.equal(opt.deferred.gradient(param, consume=False), grads[name]), name
+    # Negative control: the ids repeat, so a put that overwrites instead of accumulating is other values
+    overwritten = torch.zeros_like(model.table_Ed).index_put_((ids_T,), x_Td)
+    assert not torch.equal(overwritten, grads["table_Ed"])
