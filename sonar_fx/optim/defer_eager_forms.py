@@ -82,6 +82,8 @@ def capture_slice_gemm(func: Callable[..., Any], args: Any, kwargs: dict[str, An
         return None
     if not isinstance(x, Tensor) or not isinstance(w, Tensor) or x.dim() != 2 or w.dim() != 2:
         return None
+    if w._base is None or deferred_param(w) is None:
+        return None  # not a view of an expert tensor (a dense layer's weight): nothing to look at
     mat2 = w.t() if linear else w  # linear's mm reads the weight transposed
     found = _expert_view(mat2)
     if found is None:
