@@ -1,10 +1,12 @@
 """The deferred schedule without a compiler: the experts' GEMMs keep their operands, eagerly.
 
-While an experts module runs its forward (a pre-hook enters `DeferGemms`, a hook leaves it), a GEMM
-whose weight operand is an owned expert tensor, a view of it, or rows or a slice read off it (each
-path: `defer_eager_paths`) runs on the DETACHED weight, so autograd computes the input gradient exactly
-as before and no weight gradient at all; a node after the GEMM receives dy when backward reaches it and
-hands the operands of autograd's weight gradient to the owner, with the recipe that computes it again.
+While an experts module, or a module owning an expert tensor, runs its forward (a pre-hook enters
+`DeferGemms`, a hook leaves it), a GEMM whose weight operand is an owned expert tensor, a view of it,
+or rows or a slice read off it (each path: `defer_eager_paths`; the per-expert forms, rows of
+per-expert vectors and embedding gathers: `defer_eager_forms`) runs on the DETACHED weight, so
+autograd computes the input gradient exactly as before and no weight gradient at all; a node after
+the GEMM receives dy when backward reaches it and hands the operands of autograd's weight gradient
+to the owner, with the recipe that computes it again.
 Any other use of an expert weight is left to autograd: its gradient arrives whole in `.grad` and the
 deferred step says it kept it. Never active under dynamo: compiled graphs get the graph pass instead.
 """
