@@ -1,4 +1,5 @@
-"""Where a training method runs: one process, or a torch.distributed engine (DDP, FSDP2, expert parallel).
+"""Where a training method runs: one process, or a torch.distributed engine (DDP, FSDP2, expert parallel,
+FSDP2 x expert parallel).
 
 An `Engine` is the strategy `sonar_fx.methods.build_method` calls to put any method on it, Sonar or a
 baseline, so every method is built by one builder whatever runs it:
@@ -343,8 +344,10 @@ class FSDP2EPEngine(_Distributed):
         # mesh (its "ep" row and FSDP2's "dp" column), so `full_tensor()` counts each expert once.
         from torch.distributed.tensor import DTensor, Shard
 
-        dense = [p.grad for p in params if id(p) not in experts and p.grad is not None]
         own = [cast(DTensor, p.grad) for p in params if id(p) in experts and p.grad is not None]
+        if not own:  # the dense-only clip: one mesh, clip_grad_norm_'s own norm
+            return super().total_norm(params, experts)
+        dense = [p.grad for p in params if id(p) not in experts and p.grad is not None]
         mesh = own[0].device_mesh._get_root_mesh()  # the (dp, ep) mesh FSDP2's "dp" mesh was cut from
         as_2d = [DTensor.from_local(g.to_local(), mesh, [Shard(0), Shard(0)]) for g in own]
         ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
