@@ -294,7 +294,7 @@ class FSDP2EPEngine(_Distributed):
 
     def mesh_shape(self, world: int) -> tuple[int, int]:
         """(dp, ep) over `world` ranks; an ep_size that does not divide the world is refused."""
-        ep = self.ep_size or world
+        ep = world if self.ep_size is None else self.ep_size
         if ep < 1 or world % ep:
             raise ConfigFieldError(
                 f"ep_size={ep} does not divide the world of {world} ranks into (dp, ep) = (world / ep_size, "

@@ -187,7 +187,7 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         fields.update(parallel=cfg.parallel, world_size=world)
         if cfg.parallel == "fsdp2_ep":  # the mesh decides what each rank's checkpoint holds
-            fields["ep_size"] = cfg.ep_size or world
+            fields["ep_size"] = world if cfg.ep_size is None else cfg.ep_size
     return {**fields, "data": data_hash}
 
 
