@@ -444,7 +444,9 @@ def run(cfg: Config) -> Output:
     times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
     tables = [memory_table(memory, cfg)] + ([time_table(times, cfg)] if times else [])
     records = [asdict(r) for r in memory] + [asdict(t) for t in times]
-    return Output(tables=tables, goals=goals(memory, times), records=records)
+    # Another choice of engines (`--engines fsdp2`) never overwrites the default run's results.
+    partial_run = None if cfg.engines == Config().engines else "_".join((SCRIPT, *cfg.engines))
+    return Output(tables=tables, goals=goals(memory, times), records=records, script=partial_run)
 
 
 TIMELINE = Mode(flag="--timeline", script="distributed_timeline",

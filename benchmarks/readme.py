@@ -199,11 +199,13 @@ def index() -> dict[str, tuple[list[str], str]]:
 
 
 def _current(script: str) -> tuple[list[str], str]:
-    """`index()`'s entry of a results name; a partial run (`optimizers_muon`) is its script's."""
+    """`index()`'s entry of a results name; a partial run (`optimizers_muon`) is its script's, the
+    longest name it extends (`distributed_deferred_fsdp2` is distributed_deferred's, not distributed's)."""
     known = index()
     if script in known:
         return known[script]
-    return next((v for k, v in known.items() if script.startswith(f"{k}_")), ([], ""))
+    owner = max((k for k in known if script.startswith(f"{k}_")), key=len, default=None)
+    return ([], "") if owner is None else known[owner]
 
 
 def replace_between_markers(

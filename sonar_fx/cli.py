@@ -172,8 +172,14 @@ def _add_finetune(p: argparse.ArgumentParser) -> None:
     add("--nonfinite", choices=NONFINITE, default=d.nonfinite,
         help="sonar: an inf/NaN gradient stops the run, skips the step, or is trained on")  # fmt: skip
     add("--parallel", choices=tuple(ENGINES), default=None,
-        help="under torchrun (one node or several): data parallel with DDP, FSDP2 (fully_shard) or expert "
-        "parallelism (ep), with every optimizer flag and compiler; rank 0 logs and writes")  # fmt: skip
+        help="under torchrun (one node or several): data parallel with DDP, FSDP2 (fully_shard), expert "
+        "parallelism (ep: experts E/world per rank) or FSDP2 x expert parallelism (fsdp2_ep: a (dp, ep) "
+        "mesh, see --ep-size), with every optimizer flag and compiler; rank 0 logs and writes")  # fmt: skip
+    add("--ep-size", type=_positive_int, default=None, metavar="N",
+        help="--parallel fsdp2_ep: the expert-parallel degree, ranks that split each layer's experts "
+        "(E/N per rank); the rest, world/N, is FSDP2's data-parallel degree over each expert shard. "
+        "Must divide the world size and the experts (default: the world size, a 1 x world mesh; "
+        "on 2 ranks each rank holds half the experts)")  # fmt: skip
     _add_run_flags(p, d)
 
 

@@ -1,4 +1,5 @@
-"""Where a training method runs: one process, or a torch.distributed engine (DDP, FSDP2, expert parallel).
+"""Where a training method runs: one process, or a torch.distributed engine (DDP, FSDP2, expert parallel,
+FSDP2 x expert parallel).
 
 An `Engine` is the strategy `sonar_fx.methods.build_method` calls to put any method on it, Sonar or a
 baseline, so every method is built by one builder whatever runs it:
@@ -11,6 +12,9 @@ baseline, so every method is built by one builder whatever runs it:
 - `no_sync(run)`: the context every micro-batch of a step but the last runs under (DDP's and expert
   parallelism's `no_sync()`, FSDP2's `set_requires_gradient_sync(False)`), the accumulation loop
   whose arithmetic the deferred schedule has (each rank sums its micro-batches, one reduction);
+- `total_norm` / `clip_with_norm_`: a baseline's clip over every parameter as the engine's users clip
+  (torch's `clip_grad_norm_`; expert parallelism and FSDP2 x EP: torchtitan's, each expert counted
+  once);
 - what it runs: `methods` (by name), `compiles`, `hooks_on_compiled`, and `check_optimizer` for the
   optimizer settings and schedule it is verified with (`sonar_fx.api.distributed_gap`, the one
   rule), so a combination it does not run is refused before anything is built
@@ -27,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -49,7 +53,7 @@ class Engine(ABC):
     what every engine shares, each engine overrides what it does differently."""
 
     name: str = ""
-    """"single", or the `--parallel` name: "ddp", "fsdp2", "ep"."""
+    """"single", or the `--parallel` name: "ddp", "fsdp2", "ep", "fsdp2_ep"."""
     distributed: bool = False
     """Runs on every process of a torch.distributed process group."""
     sharded: bool = False
@@ -62,6 +66,9 @@ class Engine(ABC):
     """Runs compiled models (aot_eager, inductor), not only eager ones."""
     hooks_on_compiled: bool = True
     """Runs Sonar's hooks on a compiled model without the graph pass (the ablation)."""
+    experts_apart: bool = False
+    """Expert and dense parameters live on different device meshes (FSDP2 x EP): a baseline steps the
+    experts with an optimizer of their own (a fused step over DTensors spans one mesh)."""
 
     def check_optimizer(self, cfg: OptimizerConfig, schedule: Schedule = "in_backward") -> None:
         """Refuse optimizer settings or a Sonar schedule the engine is not verified with
@@ -99,6 +106,12 @@ class Engine(ABC):
         """The global norm of `params`' gradients as a baseline clips them all (`experts`: ids of the
         expert tensors): `clip_grad_norm_`'s, a DTensor for FSDP2 shards."""
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
+    def clip_with_norm_(
+        self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor, experts: set[int]
+    ) -> None:
+        """Scale `params`' gradients by `max_norm / norm` where it is below one, as `clip_grad_norm_`."""
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
 
 @dataclass(frozen=True)
@@ -263,6 +276,94 @@ class ExpertParallelEngine(_Distributed):
         return expert_parallel_norm(dense, own, torch.distributed.group.WORLD)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class FSDP2EPEngine(_Distributed):
+    """FSDP2 x expert parallelism on a (dp, ep) mesh (`sonar_fx.distributed.fsdp2_ep`): each rank holds
+    E/ep experts, FSDP2-sharded over its "dp" column, the dense parameters FSDP2 over every rank; compiled
+    per block. Its global clip is torchtitan's: the experts' norm over the 2-D mesh (each expert counted
+    once) with the dense norm over every rank, as squares."""
+
+    name: str = "fsdp2_ep"
+    sharded: bool = True
+    local_state: bool = True
+    experts_apart: bool = True
+    ep_size: int | None = None
+    """The expert-parallel degree: ranks a mesh row splits the experts over (`--ep-size`); the rest,
+    world / ep_size, is FSDP2's data-parallel degree over each expert shard. None: every rank (a
+    1 x world mesh: on 2 ranks each holds half the experts)."""
+
+    def mesh_shape(self, world: int) -> tuple[int, int]:
+        """(dp, ep) over `world` ranks; an ep_size that does not divide the world is refused."""
+        ep = world if self.ep_size is None else self.ep_size
+        if ep < 1 or world % ep:
+            raise ConfigFieldError(
+                f"ep_size={ep} does not divide the world of {world} ranks into (dp, ep) = (world / ep_size, "
+                f"ep_size); use a divisor of {world} (default: {world}, every rank its own expert shard)",
+                field="ep_size",
+            )
+        return world // ep, ep
+
+    def mesh(self, model: nn.Module, experts: Experts) -> Any:
+        """This run's ("dp", "ep") device mesh, after checking that ep_size divides every layer's experts
+        (refused before anything is laid out)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from sonar_fx.distributed.fsdp_ep import MESH_DIMS
+        from sonar_fx.distributed.reductions import collective_device
+
+        shape = self.mesh_shape(torch.distributed.get_world_size())
+        for layer in ExpertSet.discover(model, experts).layers:
+            if layer.num_experts % shape[1]:
+                raise ConfigFieldError(
+                    f"{layer.name} holds {layer.num_experts} experts, which ep_size={shape[1]} does not "
+                    f"split evenly; use an ep_size that divides {layer.num_experts}",
+                    field="ep_size",
+                )
+        return init_device_mesh(collective_device().type, shape, mesh_dim_names=MESH_DIMS)
+
+    def _setup(
+        self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
+    ) -> nn.Module:
+        import sonar_fx.distributed as sd
+
+        mesh = self.mesh(model, experts)
+        return sd.fsdp2_ep(model, cfg, mesh=mesh, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
+
+    def wrap(self, model: nn.Module, compiler: str) -> Run:
+        import sonar_fx.distributed as sd
+
+        sd.shard_fsdp2_ep(model, self.mesh(model, None))
+        _compile_blocks(model, compiler)
+        return model
+
+    def no_sync(self, run: Run) -> AbstractContextManager[None]:
+        return _fsdp2_no_sync(run)
+
+    def total_norm(self, params: list[nn.Parameter], experts: set[int]) -> torch.Tensor:
+        # torchtitan's `_clip_grad_norm_with_ep`: each expert gradient seen as a DTensor over the 2-D
+        # mesh (its "ep" row and FSDP2's "dp" column), so `full_tensor()` counts each expert once.
+        from torch.distributed.tensor import DTensor, Shard
+
+        own = [cast(DTensor, p.grad) for p in params if id(p) in experts and p.grad is not None]
+        if not own:  # the dense-only clip: one mesh, clip_grad_norm_'s own norm
+            return super().total_norm(params, experts)
+        dense = [p.grad for p in params if id(p) not in experts and p.grad is not None]
+        mesh = own[0].device_mesh._get_root_mesh()  # the (dp, ep) mesh FSDP2's "dp" mesh was cut from
+        as_2d = [DTensor.from_local(g.to_local(), mesh, [Shard(0), Shard(0)]) for g in own]
+        ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
+        dense_norm = cast(DTensor, torch.nn.utils.get_total_norm(dense)).full_tensor()
+        total = ep_norm**2 + dense_norm**2
+        total **= 1.0 / 2
+        return total
+
+    def clip_with_norm_(
+        self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor, experts: set[int]
+    ) -> None:
+        # One foreach scale per mesh (a DTensor op spans one mesh), experts first as torchtitan does.
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if id(p) in experts], max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if id(p) not in experts], max_norm, norm)
+
+
 @contextmanager
 def _fsdp2_no_sync(root: Any) -> Iterator[None]:
     """FSDP2's accumulation without reduction: the root's gradient sync off, back on at the exit (the
@@ -289,7 +390,9 @@ def _compile_blocks(model: nn.Module, compiler: str) -> None:
 
 
 SINGLE_PROCESS = SingleProcess()
-ENGINES: dict[str, Engine] = {e.name: e for e in (DDPEngine(), FSDP2Engine(), ExpertParallelEngine())}
+ENGINES: dict[str, Engine] = {
+    e.name: e for e in (DDPEngine(), FSDP2Engine(), ExpertParallelEngine(), FSDP2EPEngine())
+}
 """The torch.distributed engines by their `--parallel` name."""
 
 

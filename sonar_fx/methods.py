@@ -197,8 +197,9 @@ class GradClip:
             return
         if self.together:
             # get_total_norm + clip_grads_with_norm_ is clip_grad_norm_ (the same calls, the same bits).
-            norm = self.engine.total_norm(self.together, {id(p) for p in self.experts})
-            torch.nn.utils.clip_grads_with_norm_(self.together, self.max_norm, norm)
+            expert_ids = {id(p) for p in self.experts}
+            norm = self.engine.total_norm(self.together, expert_ids)
+            self.engine.clip_with_norm_(self.together, self.max_norm, norm, expert_ids)
         for p in self.each:
             if p.grad is not None:
                 torch.nn.utils.clip_grad_norm_([p], self.max_norm)
@@ -314,8 +315,9 @@ def build_method(
     if kind.per_param_hooks:  # expert states stored as Sonar stores them
         hooked = _hook_every_param(split.params, cfg, matrices, {id(p) for p in split.expert_params})
         return TrainingMethod(kind, execution, run, None, hook_optimizers=hooked, engine=engine)
-    # Expert states stored unlike dense ones (low-bit): the experts get their own optimizer.
-    separate = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32)
+    # Expert states stored unlike dense ones (low-bit), or on a mesh of their own (FSDP2 x EP): the
+    # experts get their own optimizer.
+    separate = getattr(cfg, "state_bits", 32) != getattr(cfg, "dense_state_bits", 32) or engine.experts_apart
     optimizer = end_of_step_optimizer(
         cfg, split.dense_params if separate else split.params, matrices=matrices
     )

@@ -43,8 +43,10 @@ CLIPS = {
     "ddp": [],
     "fsdp2": ["--expert-clip", "per_tensor", "--max-grad-norm", "0.05"],
     "ep": ["--expert-clip", "global", "--max-grad-norm", "0.05"],
+    "fsdp2_ep": ["--max-grad-norm", "0.05"],
 }
-"""Each engine also runs an expert clip mode: its twin is the baseline that clips the same way."""
+"""Each engine also runs an expert clip mode: its twin is the baseline that clips the same way (FSDP2 x
+EP: the dense-only clip, active on every step; its clip over all is test_distributed_trainer_deferred's)."""
 
 
 def resume_is_exact(rank: int) -> dict[str, Any]:

@@ -5,26 +5,30 @@ engines, `sonar_fx.cli.main` on every rank as torchrun would run it (see `distri
 `--grad-accum 2 --clip-scope all` trains sonar as `sonar_deferred`; its twin is `--method standard`
 with the same flags. Both run every micro-batch but the last under the engine's `no_sync()`: the
 run's saved weights must be `torch.equal`, on every rank. The clip is active on every step
-(`--max-grad-norm 0.05`, below each step's norm: the metrics show it)."""
+(`--max-grad-norm 0.05`, below each step's norm: the metrics show it). FSDP2 x EP runs on its default
+mesh, 1 x 2 (each rank half the experts), with torchtitan's clip."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from distributed_cases_cli import _finetune, _folder, _same, _weights
+from distributed_cases_deferred_sharded import MAX_NORM, mesh_of, titan_clip_
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sonar_fx.config import MuonConfig
-from sonar_fx.distributed import fully_shard_experts
+from sonar_fx.distributed import fully_shard_experts, shard_fsdp2_ep
 from sonar_fx.engines import ENGINES
+from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.methods import build_method
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
@@ -33,7 +37,7 @@ from helpers import CFG, batches
 
 ACCUM = ["--grad-accum", "2", "--clip-scope", "all", "--max-grad-norm", "0.05", "--steps", "3",
          "--held-out", "0", "--save-every", "0", "--model", "tiny-olmoe"]  # fmt: skip
-ENGINES_RUN = ("ddp", "ep", "fsdp2")
+ENGINES_RUN = ("ddp", "ep", "fsdp2", "fsdp2_ep")
 
 
 def _metrics(out: Path, key: str) -> list[Any]:
@@ -67,15 +71,25 @@ def cli_accumulation_is_exact(rank: int) -> dict[str, Any]:
     return seen
 
 
+def uneven_experts_refused(rank: int) -> dict[str, Any]:
+    """--parallel fsdp2_ep on its default 1 x 2 mesh with 3 experts per layer: refused as the model is
+    laid out, before any step: exit 2 naming --ep-size, no checkpoint written."""
+    out = _folder() / "uneven"
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = _finetune(out, "--parallel", "fsdp2_ep", *ACCUM, "--model-override", "num_experts=3")
+    return {"code": code, "err": err.getvalue(), "checkpoints": sorted(p.name for p in out.glob("*.pt"))}
+
+
 def train_step_syncs_the_last_micro_batch(rank: int) -> dict[str, Any]:
-    """`build_method("standard")` on DDP and on FSDP2, two steps of 2 micro-batches, against the plain
-    engine over every parameter written here, accumulating with gradient sync off on the first
-    micro-batch (equal) and on none (must differ)."""
-    cfg = replace(CFG, max_grad_norm=0.05)  # below each step's norm: the clip acts on every step
+    """`build_method("standard")` on DDP, FSDP2 and FSDP2 x EP (its default 1 x 2 mesh), two steps of 2
+    micro-batches, against the plain engine over every parameter written here, accumulating with
+    gradient sync off on the first micro-batch (equal) and on none (must differ)."""
+    cfg = replace(CFG, max_grad_norm=MAX_NORM)  # below each step's norm: the clip acts on every step
     data = batches(4, seed=1 + rank)
     steps = [data[0:2], data[2:4]]
     seen: dict[str, Any] = {}
-    for engine in ("ddp", "fsdp2"):
+    for engine in ("ddp", "fsdp2", "fsdp2_ep"):
         method = build_method("standard", build_model("tiny-olmoe", seed=0), cfg, engine=ENGINES[engine])
         for micro in steps:
             method.train_step(micro)
@@ -93,27 +107,36 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_train(engine: str, cfg: Any, steps: list[list[dict]], sync: str) -> torch.nn.Module:
-    """Plain DDP, or FSDP2 (the experts modules their own groups, as the baseline shards them), with
-    torch's clip over every parameter and fused AdamW: the user's accumulation loop."""
+    """Plain DDP, FSDP2 (the experts modules their own groups, as the baseline shards them) or FSDP2 x EP
+    on a 1 x 2 mesh (torchtitan's clip, one fused AdamW per mesh), with torch's clip over every parameter
+    and fused AdamW: the user's accumulation loop."""
     model = build_model("tiny-olmoe", seed=0)
     if engine == "ddp":
         run = DDP(model)
         quiet_context: Any = run.no_sync
-    else:
+    elif engine == "fsdp2":
         run = fully_shard_experts(model)
         quiet_context = lambda: _fsdp2_quiet(run)  # noqa: E731
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-        fused=True,
-    )  # fmt: skip
+    else:
+        run = shard_fsdp2_ep(model, mesh_of((1, 2)))
+        quiet_context = lambda: _fsdp2_quiet(run)  # noqa: E731
+    expert_ids = ExpertSet.discover(model).names_by_id() if engine == "fsdp2_ep" else {}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    experts = [p for p in model.parameters() if id(p) in expert_ids]
+    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
+    optimizers = [torch.optim.AdamW(group, **hyper) for group in (dense, experts) if group]
     for micro in steps:
         for i, b in enumerate(micro):
             quiet = sync == "last" and i < len(micro) - 1
             with quiet_context() if quiet else nullcontext():
                 (run(**b).loss / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if engine == "fsdp2_ep":
+            titan_clip_(dense, experts, mesh_of((1, 2)))
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return model
 
 
@@ -139,6 +162,7 @@ def every_case(rank: int) -> dict[str, Any]:
     return {
         "train_step": train_step_syncs_the_last_micro_batch(rank),
         "cli": cli_accumulation_is_exact(rank),
+        "uneven_experts": uneven_experts_refused(rank),
         "hf": sonar_trainer_equals_the_plain_trainer(rank),
         "routes": deferred_by_other_routes(rank),
     }

@@ -285,6 +285,17 @@ def test_the_docs_results_and_readme_headline_are_current():
     assert readme.main(["--check", *(a for k, v in paths.items() for a in (k, str(repo / v)))]) == 0
 
 
+def test_a_partial_run_is_shown_as_the_script_whose_name_it_extends_longest():
+    """`--engines fsdp2` writes distributed_deferred_fsdp2: distributed_deferred's question and command,
+    not those of `distributed`, whose name it also extends."""
+    from benchmarks import distributed, distributed_deferred
+
+    command, question = readme._current("distributed_deferred_fsdp2")
+    assert command == ["python", "-m", "benchmarks.distributed_deferred"]
+    assert question == distributed_deferred.__doc__.strip().split("\n")[0]
+    assert question != distributed.__doc__.strip().split("\n")[0]
+
+
 def test_replace_between_markers_keeps_the_rest():
     text = f"a\n{readme.START}\nold\n{readme.END}\nb\n"
     assert readme.replace_between_markers(text, "new") == f"a\n{readme.START}\nnew\n{readme.END}\nb\n"

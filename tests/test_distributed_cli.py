@@ -1,4 +1,4 @@
-"""`sonar-fx finetune --parallel ddp|fsdp2|ep`: under torchrun, rank 0 logs and writes, metrics carry
+"""`sonar-fx finetune --parallel ddp|fsdp2|ep|fsdp2_ep`: under torchrun, rank 0 logs and writes, metrics carry
 the world size, and a run stopped and resumed (same world size) is bitwise the uninterrupted one."""
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ def test_torchrun_ddp_run_writes_once_with_the_world_size(tmp_path):
 def test_stop_and_resume_is_exact_on_every_engine(tmp_path):
     distributed_worker.run("distributed_cases_cli:resume_is_exact", str(tmp_path), timeout_s=1200)
     for rank, seen in enumerate(distributed_worker.results(str(tmp_path))):
-        for engine in ("ddp", "fsdp2", "ep"):
+        for engine in ("ddp", "fsdp2", "ep", "fsdp2_ep"):
             assert seen[engine]["codes"] == [0, 0, 0], (rank, engine)
             assert seen[engine]["differ"] == [], (rank, engine)
             assert seen[engine]["moved_after_resume"], (rank, engine)
             # One builder for every method on every engine: Sonar equals its twin built there.
             assert seen[engine]["baseline_code"] == 0 and seen[engine]["vs_baseline"] == [], (rank, engine)
-        assert (
-            "checkpoint.rank1.pt" in seen["fsdp2"]["files"] and "checkpoint.rank1.pt" in seen["ep"]["files"]
-        )
+        assert all("checkpoint.rank1.pt" in seen[engine]["files"] for engine in ("fsdp2", "ep", "fsdp2_ep"))
         assert "checkpoint.rank1.pt" not in seen["ddp"]["files"]  # replicated: rank 0's file serves all
 
 
@@ -79,3 +77,17 @@ def test_resume_on_another_world_size_is_refused_naming_it(monkeypatch, tmp_path
     ):
         ckpt_io.check_identity(tmp_path / "checkpoint.pt", saved, run_identity(cfg, "hash"))
     assert "world_size" not in run_identity(TrainConfig(), "hash")  # one process: identity as before
+
+
+def test_resume_on_another_fsdp2_ep_mesh_is_refused_naming_ep_size(monkeypatch, tmp_path):
+    """The mesh decides what each rank's checkpoint holds: the default --ep-size is the world size, so
+    `--ep-size 4` on 4 ranks resumes a run that left it out, and `--ep-size 2` is refused."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    saved = run_identity(TrainConfig(parallel="fsdp2_ep"), "hash")
+    ckpt_io.check_identity(
+        tmp_path / "c.pt", saved, run_identity(TrainConfig(parallel="fsdp2_ep", ep_size=4), "hash")
+    )
+    with pytest.raises(ckpt_io.CheckpointError, match=r"--ep-size: checkpoint has 4, this run has 2"):
+        ckpt_io.check_identity(
+            tmp_path / "c.pt", saved, run_identity(TrainConfig(parallel="fsdp2_ep", ep_size=2), "hash")
+        )

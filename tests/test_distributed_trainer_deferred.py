@@ -1,6 +1,7 @@
-"""Where users start the deferred schedule on an engine: `torchrun -m sonar_fx finetune --parallel ddp|ep
---grad-accum N --clip-scope all`, and SonarTrainer under torchrun (the Trainer's own DDP); what stays
-refused (FSDP2) is refused by the one rule, `sonar_fx.api.distributed_gap`, before anything trains.
+"""Where users start the deferred schedule on an engine: `torchrun -m sonar_fx finetune --parallel
+ddp|ep|fsdp2|fsdp2_ep --grad-accum N --clip-scope all`, and SonarTrainer under torchrun (the Trainer's own
+DDP); what a rule refuses is refused by the one rule, `sonar_fx.api.distributed_gap`, before anything
+trains; a mesh `--ep-size` cannot lay out is refused naming the flag.
 
 Each exactness claim is `torch.equal` on every parameter against the plain engine with the same recipe
 (gradients synced at the last micro-batch only), with a negative control that must differ."""
@@ -30,11 +31,12 @@ def seen(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp2_ep"])
 def test_train_step_syncs_only_the_last_micro_batch(seen, engine):
     """`TrainingMethod.train_step` (what the command line runs) of the standard method on the engine
     equals the plain engine with gradient sync off on all micro-batches but the last (DDP's no_sync(),
-    FSDP2's set_requires_gradient_sync(False)); syncing every one differs."""
+    FSDP2's set_requires_gradient_sync(False)); syncing every one differs. FSDP2 x EP: its default
+    1 x 2 mesh against `shard_fsdp2_ep` with torchtitan's clip written in the test."""
     for rank in seen:
         case = rank["train_step"][engine]
         assert case["last"] == []
@@ -43,7 +45,7 @@ def test_train_step_syncs_only_the_last_micro_batch(seen, engine):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine", ["ddp", "ep", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "ep", "fsdp2", "fsdp2_ep"])
 def test_cli_grad_accum_and_clip_all_train_deferred_bitwise_the_standard_method(seen, engine):
     """--grad-accum 2 --clip-scope all trains sonar as sonar_deferred on the engine, with the clip active
     on every step, and ends bitwise equal to --method standard with the same flags, on every rank."""
@@ -55,6 +57,16 @@ def test_cli_grad_accum_and_clip_all_train_deferred_bitwise_the_standard_method(
     assert writer["method"] == "sonar_deferred"
     assert len(writer["norms"]) == 3 and all(norm > MAX_NORM for norm in writer["norms"])
     assert all(peak > 0 for peak in writer["kept_operand_peaks"])  # operands kept: the deferred schedule
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_ep_with_experts_the_mesh_cannot_split_is_refused_naming_ep_size(seen):
+    """3 experts per layer on the default 1 x 2 mesh: exit 2 on every rank before any step, naming
+    --ep-size and the layer; no checkpoint."""
+    for rank in seen:
+        run = rank["uneven_experts"]
+        assert run["code"] == 2 and run["checkpoints"] == []
+        assert "error: --ep-size:" in run["err"] and "holds 3 experts, which ep_size=2" in run["err"]
 
 
 @pytest.mark.multiprocess
@@ -126,6 +138,25 @@ def test_deferred_where_the_one_rule_refuses_it_is_refused_naming_the_flag(
     assert "schedule='deferred' is not supported on the fsdp2 engine yet" in err  # the one rule's words
     assert "--parallel ddp or ep" in err and "--method standard" in err
     assert not any((tmp_path / "run").glob("*.pt"))
+
+
+@pytest.mark.usefixtures("as_rank_0")
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--parallel", "fsdp2_ep", "--ep-size", "3"], "ep_size=3 does not divide the world of 2 ranks"),
+        (["--parallel", "ep", "--ep-size", "2"], "--parallel ep shards experts over every rank"),
+        (["--ep-size", "2"], "use --parallel fsdp2_ep or drop --ep-size"),
+    ],
+)
+def test_an_ep_size_the_run_cannot_lay_out_is_refused_naming_the_flag(tmp_path, capsys, flags, words):
+    """Checked against torchrun's WORLD_SIZE before any process group, model or file exists."""
+    code = main(["finetune", "--model", "tiny-olmoe", "--train-size", "8", "--held-out", "0",
+                 "--out", str(tmp_path / "run"), *flags])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "error: --ep-size" in err and words in err
+    assert not (tmp_path / "run").exists()
 
 
 def _args(**fields):

@@ -153,10 +153,14 @@ class TrainConfig:
     backward) otherwise accumulate in parallel, so two compiled fp32 runs can differ in the last bit
     (CUDA also needs CUBLAS_WORKSPACE_CONFIG=:4096:8)."""
     progress: bool = True
-    parallel: Literal["ddp", "fsdp2", "ep"] | None = None
+    parallel: Literal["ddp", "fsdp2", "ep", "fsdp2_ep"] | None = None
     """Train on every process torchrun started: "ddp" (experts beside DDP, all-reduced in backward),
-    "fsdp2" (experts in their own fully_shard group) or "ep" (experts sharded E/world per rank);
+    "fsdp2" (experts in their own fully_shard group), "ep" (experts sharded E/world per rank) or
+    "fsdp2_ep" (experts E/ep_size per rank, FSDP2 over the rest; dense FSDP2 over every rank);
     None: one process."""
+    ep_size: int | None = None
+    """fsdp2_ep: the expert-parallel degree (it must divide the world and every layer's experts); the
+    rest, world / ep_size, is FSDP2's data-parallel degree. None: the world size (a 1 x world mesh)."""
 
 
 IDENTITY_FIELDS = (
@@ -180,7 +184,10 @@ def run_identity(cfg: TrainConfig, data_hash: str) -> dict[str, Any]:
     if cfg.grad_accum != 1:  # (likewise; --clip-scope is resolved into method and expert_clip)
         fields["grad_accum"] = cfg.grad_accum
     if cfg.parallel is not None:  # (absent from single-process identities, as before)
-        fields.update(parallel=cfg.parallel, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        fields.update(parallel=cfg.parallel, world_size=world)
+        if cfg.parallel == "fsdp2_ep":  # the mesh decides what each rank's checkpoint holds
+            fields["ep_size"] = world if cfg.ep_size is None else cfg.ep_size
     return {**fields, "data": data_hash}
 
 

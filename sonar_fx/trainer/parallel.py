@@ -1,4 +1,5 @@
-"""This process's place in a run: one process, or `--parallel ddp|fsdp2|ep` on every process torchrun started.
+"""This process's place in a run: one process, or `--parallel ddp|fsdp2|ep|fsdp2_ep` on every process
+torchrun started.
 
 For: `Parallel` (the engine, rank and world size; one process is world 1, so the trainer never asks
 whether a run is distributed), its process group, each rank's batch (all ranks draw the same `world`
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from sonar_fx import data as D
 from sonar_fx.config import ConfigFieldError
 from sonar_fx.distributed.reductions import any_rank, collective_device
-from sonar_fx.engines import ENGINES, SINGLE_PROCESS, Engine
+from sonar_fx.engines import ENGINES, SINGLE_PROCESS, Engine, FSDP2EPEngine
 from sonar_fx.methods import Execution, Method, TrainingMethod, check_engine
 from sonar_fx.trainer.config import ConfigError
 from sonar_fx.trainer.validate import field_error
@@ -113,8 +114,17 @@ class Parallel:
         return LocalState(model), [LocalState(opt) for opt in method.optimizers]
 
 
-def from_env(engine: str | None) -> Parallel:
-    """The `Parallel` of `--parallel engine` from torchrun's RANK / WORLD_SIZE (one process without it)."""
+def from_env(engine: str | None, ep_size: int | None = None) -> Parallel:
+    """The `Parallel` of `--parallel engine` from torchrun's RANK / WORLD_SIZE (one process without it);
+    `ep_size`: `--ep-size`, fsdp2_ep's mesh (checked against the world here, before anything is built)."""
+    if ep_size is not None and engine != "fsdp2_ep":
+        ep = engine == "ep"
+        instead = "--parallel ep shards experts over every rank" if ep else "use --parallel fsdp2_ep"
+        raise ConfigError(
+            f"--ep-size {ep_size}: the expert-parallel degree of --parallel fsdp2_ep's mesh; {instead} or "
+            "drop --ep-size",
+            flag="--ep-size",
+        )
     if engine is None:
         return Parallel()
     if engine not in ENGINES:
@@ -127,7 +137,14 @@ def from_env(engine: str | None) -> Parallel:
             "torchrun --nproc-per-node 2 -m sonar_fx finetune ... --parallel " + engine,
             flag="--parallel",
         )
-    return Parallel(ENGINES[engine], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    chosen, world = ENGINES[engine], int(os.environ["WORLD_SIZE"])
+    if isinstance(chosen, FSDP2EPEngine):
+        chosen = replace(chosen, ep_size=ep_size)
+        try:
+            chosen.mesh_shape(world)
+        except ConfigFieldError as exc:
+            raise field_error(exc) from exc
+    return Parallel(chosen, int(os.environ["RANK"]), world)
 
 
 # ------------------------------------------------------------------------------------ checkpoints

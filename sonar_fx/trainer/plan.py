@@ -72,7 +72,7 @@ class RunPlan:
 def plan_run(cfg: TrainConfig) -> RunPlan:
     """Validate everything and load the data; raises before any model is built or file changed."""
     check_flags(cfg)
-    parallel = from_env(cfg.parallel)
+    parallel = from_env(cfg.parallel, cfg.ep_size)
     parallel.check(cfg.method, cfg.execution)
     check_overrides(cfg.model, cfg.model_overrides)
     out = _writable_dir(cfg.out)

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sonar_fx import data as D
+from sonar_fx.config import ConfigFieldError
 from sonar_fx.environment import Environment
 from sonar_fx.memory import process_peak_rss_bytes
 from sonar_fx.methods import Method, TrainingMethod, build_method
@@ -35,7 +36,7 @@ from sonar_fx.trainer.rundir import (
     to_json,
 )
 from sonar_fx.trainer.schedule import WarmupCosine
-from sonar_fx.trainer.validate import build_checked_model
+from sonar_fx.trainer.validate import build_checked_model, field_error
 
 
 @dataclass
@@ -68,8 +69,11 @@ def build(plan: RunPlan) -> tuple[nn.Module, TrainingMethod, list[torch.optim.lr
         assert plan.checkpoint_path is not None
         ckpt_io.check_model_state(plan.checkpoint_path, model, plan.checkpoint["model"])
     sonar_kwargs: dict[str, Any] = {"nonfinite": cfg.nonfinite} if Method.named(cfg.method).sonar else {}
-    method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution, engine=parallel.engine,
-                          **sonar_kwargs)  # fmt: skip
+    try:
+        method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution,
+                              engine=parallel.engine, **sonar_kwargs)  # fmt: skip
+    except ConfigFieldError as exc:  # the engine's own check of the model (fsdp2_ep: --ep-size)
+        raise field_error(exc) from exc
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, shape) for opt in method.optimizers]
     if plan.checkpoint is not None:
