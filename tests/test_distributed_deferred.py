@@ -1,8 +1,9 @@
-"""schedule="deferred" on DDP and expert parallelism, 2 gloo processes: bitwise the plain engine with
-the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler
-(DDP), the logged norm the plain clip's; or refused at step() before any weight moves.
+"""schedule="deferred" on DDP and expert parallelism, gloo processes: bitwise the plain engine with
+the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler,
+the logged norm the plain clip's; or refused at step() before any weight moves.
 
-One spawn runs every case (`distributed_cases_deferred`); each rank reports its own comparison.
+One spawn of 2 ranks runs every case (`distributed_cases_deferred`); each rank reports its own
+comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
 """
 
 from __future__ import annotations
