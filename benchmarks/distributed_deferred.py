@@ -195,8 +195,9 @@ def _clip(engine: str, dense: list[nn.Parameter], experts: list[nn.Parameter]) -
         torch.nn.utils.clip_grad_norm_([*dense, *experts], MAX_NORM)
         return
     grads = [p.grad for p in dense], [p.grad for p in experts]
-    norms = [torch.nn.utils.get_total_norm(g) for g in grads]  # type: ignore[arg-type]
-    total = expert_parallel_norm(norms[0], norms[1], dist.group.WORLD)  # type: ignore[arg-type]
+    dense_norm = torch.nn.utils.get_total_norm(grads[0])  # type: ignore[arg-type]
+    expert_norms = torch._foreach_norm(grads[1], 2.0)  # type: ignore[arg-type]
+    total = expert_parallel_norm(dense_norm, expert_norms, dist.group.WORLD)  # type: ignore[arg-type]
     torch.nn.utils.clip_grads_with_norm_([*dense, *experts], MAX_NORM, total)
 
 

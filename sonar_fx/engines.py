@@ -241,8 +241,8 @@ class FSDP2Engine(_Distributed):
 class ExpertParallelEngine(_Distributed):
     """Expert parallelism: each rank holds E/world experts, dense parameters through DDP
     (`sonar_fx.distributed.expert_parallel`); compiled per block, the all-to-alls between the graphs.
-    Its global clip is torchtitan's: each rank's experts' norm, combined over ranks, with the dense
-    norm (`sonar_fx.distributed.reductions.expert_parallel_norm`)."""
+    Its global clip is torchtitan's: each expert tensor's norm combined over ranks (as DTensor reduces
+    it), their norm with the dense norm (`sonar_fx.distributed.reductions.expert_parallel_norm`)."""
 
     name: str = "ep"
     sharded: bool = True
@@ -272,7 +272,7 @@ class ExpertParallelEngine(_Distributed):
         from sonar_fx.distributed.reductions import expert_parallel_norm
 
         dense = _grads_norm(p for p in params if id(p) not in experts)
-        own = _grads_norm(p for p in params if id(p) in experts)
+        own = torch._foreach_norm([p.grad for p in params if id(p) in experts and p.grad is not None], 2.0)
         return expert_parallel_norm(dense, own, torch.distributed.group.WORLD)  # type: ignore[arg-type]
 
 

@@ -18,15 +18,18 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from distributed_cases import DTYPES, differ, digest
+import torch.distributed as dist
+from distributed_cases import DTYPES, differ, digest, max_abs_diff
 from distributed_cases_options import ENGINES, ep_global_clip_
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sonar_fx
 import sonar_fx.distributed as sd
+from sonar_fx.distributed.reductions import LocalExperts
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models import build_model
+from sonar_fx.optim.norms import tensor_norm, total_norm
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
 from helpers import CFG, batches
@@ -62,11 +65,14 @@ def accumulate(run: Any, micro_batches: list[dict[str, torch.Tensor]], sync: str
 # ----------------------------------------------------------------------------------------- the twins
 
 
-def sonar_on(engine: str, dtype: torch.dtype, clip: str, compiler: str) -> tuple[Any, Any, nn.Module]:
+def sonar_on(
+    engine: str, dtype: torch.dtype, clip: str, compiler: str, ddp_kwargs: dict | None = None,
+    model_kw: dict | None = None,
+) -> tuple[Any, Any, nn.Module]:  # fmt: skip
     torch._dynamo.reset()
-    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    model = build_model(MODELS[engine], dtype=dtype, seed=0, **(model_kw or {}))
     build = sd.ddp if engine == "ddp" else sd.expert_parallel
-    run = build(model, cfg_for(clip), compiler=compiler, schedule="deferred")
+    run = build(model, cfg_for(clip), compiler=compiler, schedule="deferred", ddp_kwargs=ddp_kwargs)
     return run, run.sonar, model
 
 
@@ -99,15 +105,17 @@ def record_before_step(opt: Any, seen: dict) -> None:
 
 
 def train_plain(
-    engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last"
-) -> tuple[nn.Module, list[float]]:
+    engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last",
+    ddp_kwargs: dict | None = None, model_kw: dict | None = None,
+) -> tuple[nn.Module, list[float]]:  # fmt: skip
     """Plain DDP over every parameter (expert parallelism: the experts sharded, out of DDP, their
     gradients scaled by 1/world as data-parallel averaging implies), fused AdamW over [dense, experts],
-    clip over `clip` (expert parallelism, all: torchtitan's norm, `ep_global_clip_`)."""
+    clip over `clip` (expert parallelism, all: torchtitan's norm, `ep_global_clip_`). `ddp_kwargs`:
+    DDP's (DDP only); `model_kw`: the model's config overrides."""
     torch._dynamo.reset()
-    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    model = build_model(MODELS[engine], dtype=dtype, seed=0, **(model_kw or {}))
     if engine == "ddp":
-        wrapped = DDP(model)
+        wrapped = DDP(model, **(ddp_kwargs or {}))
         run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
     else:
         run = wrapped = ENGINES["ep"].standard(model, compiler)
@@ -140,14 +148,20 @@ def train_plain(
 # ------------------------------------------------------------------------------------------- cases
 
 
-def exact(rank: int, dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp") -> dict[str, Any]:
-    """Sonar deferred on the engine against the plain engine with the same no_sync() loop."""
+def exact(
+    rank: int, dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp",
+    ddp_kwargs: dict | None = None, model_kw: dict | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Sonar deferred on the engine against the plain engine with the same no_sync() loop (and the
+    same `ddp_kwargs` on both DDP wrappers, the same model overrides `model_kw`)."""
     data = data_of(rank, accum)
-    run, opt, model = sonar_on(engine, DTYPES[dtype], clip, compiler)
+    run, opt, model = sonar_on(engine, DTYPES[dtype], clip, compiler, ddp_kwargs, model_kw)
     seen: dict[str, Any] = {}
     norms = train_sonar(run, opt, data, clip, seen=seen)
     report = opt.report()
-    twin, twin_norms = train_plain(engine, DTYPES[dtype], clip, compiler, data)
+    twin, twin_norms = train_plain(
+        engine, DTYPES[dtype], clip, compiler, data, ddp_kwargs=ddp_kwargs, model_kw=model_kw
+    )
     return {
         "differ": differ(model, twin),
         "digest": digest(model),
@@ -176,50 +190,86 @@ def against_sync_every_micro_batch(rank: int) -> list[str]:
     return differ(model, twin)
 
 
-def grad_scaler(rank: int) -> dict[str, Any]:
+SCALER = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
+"""A scale that grows into fp16 overflow every other step: steps are skipped and the scale backs off."""
+
+
+def scaled_backwards(run: Any, scaler: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    """The user's loop: fp16 CPU autocast, the scaled loss, no_sync() on all but the last micro-batch."""
+    for i, b in enumerate(micro_batches):
+        with run.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = run(**b).loss
+            scaler.scale(loss).backward()
+
+
+def grad_scaler(rank: int, engine: str = "ddp") -> dict[str, Any]:
     """fp16 CPU autocast, fp32 weights, 2 micro-batches under the user's no_sync() loop and the
     ordinary scaler calls on both sides; a scale that grows into overflow every other step, so steps
-    are skipped (on every rank alike: the verdict is taken on reduced gradients) and the scale backs
-    off as in plain DDP."""
-    kw = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
+    are skipped (on every rank alike: the verdict is taken over every rank) and the scale backs off as
+    in the plain engine. Reports the tensors that differ, each step's scale and norm on both sides."""
     data = batches(10, seed=1 + rank)
     steps = [data[i : i + 2] for i in range(0, 10, 2)]
-    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
-    ours = torch.amp.GradScaler("cpu", **kw)
+    run, opt, model = sonar_on(engine, torch.float32, "all", "eager")
+    ours = torch.amp.GradScaler("cpu", **SCALER)
     scales: list[list[float]] = []
+    norms: list[list[float]] = []
     for micro_batches in steps:
-        for i, b in enumerate(micro_batches):
-            with run.no_sync() if i == 0 else nullcontext(), torch.autocast("cpu", dtype=torch.float16):
-                loss = run(**b).loss
-            with run.no_sync() if i == 0 else nullcontext():
-                ours.scale(loss).backward()
+        scaled_backwards(run, ours, micro_batches)
         ours.step(opt)
         ours.update()
         opt.zero_grad()
         scales.append([ours.get_scale()])
+        norms.append([opt.grad_norms()["total"]])
+    twin = train_plain_scaled(engine, steps, scales, norms)
+    return {"differ": differ(model, twin), "scales": scales, "norms": norms}
+
+
+def train_plain_scaled(
+    engine: str, steps: list[list[dict]], scales: list[list[float]], norms: list[list[float]]
+) -> nn.Module:
+    """The plain engine with the scaler: `unscale_`, the clip over every parameter (`clip_grad_norm_`;
+    expert parallelism: its experts scaled by 1/world first, torchtitan's norm, and the inf verdict
+    taken over every rank, as one optimizer over every parameter has it: the rank's own experts are
+    checked on that rank alone), `step`, `update`; each step's scale and norm appended to theirs."""
     torch._dynamo.reset()
-    twin = build_model(MODELS["ddp"], dtype=torch.float32, seed=0)
+    twin = build_model(MODELS[engine], dtype=torch.float32, seed=0)
+    wrapped = DDP(twin) if engine == "ddp" else ENGINES["ep"].standard(twin, "eager")
     experts = ExpertSet.discover(twin).names_by_id()
     dense = [p for p in twin.parameters() if id(p) not in experts]
-    wrapped = DDP(twin)
+    expert_params = [p for p in twin.parameters() if id(p) in experts]
     twin_opt = torch.optim.AdamW(
-        [dict(params=dense), dict(params=[p for p in twin.parameters() if id(p) in experts])],
+        [dict(params=dense), dict(params=expert_params)],
         lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
     )  # fmt: skip
-    theirs = torch.amp.GradScaler("cpu", **kw)
+    theirs = torch.amp.GradScaler("cpu", **SCALER)
     for n, micro_batches in enumerate(steps):
-        for i, b in enumerate(micro_batches):
-            with wrapped.no_sync() if i == 0 else nullcontext():
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = wrapped(**b).loss
-                theirs.scale(loss).backward()
+        scaled_backwards(wrapped, theirs, micro_batches)
+        if engine == "ep":
+            for p in expert_params:
+                p.grad.mul_(ENGINES["ep"].expert_scale)
         theirs.unscale_(twin_opt)
-        torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)
+        if engine == "ep":
+            one_verdict_(theirs, [twin_opt])
+            norms[n].append(float(ep_global_clip_(dense, expert_params, MAX_NORM)))
+        else:
+            norms[n].append(float(torch.nn.utils.clip_grad_norm_(list(twin.parameters()), MAX_NORM)))
         theirs.step(twin_opt)
         theirs.update()
         twin_opt.zero_grad()
         scales[n].append(theirs.get_scale())
-    return {"differ": differ(model, twin), "scales": scales}
+    return twin
+
+
+def one_verdict_(scaler: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+    """One inf verdict for the whole step, as one optimizer over every parameter has on FSDP2: each
+    optimizer's (dense: every rank; experts: the ranks that hold them) summed and taken over every rank."""
+    states = [scaler._per_optimizer_states[id(o)]["found_inf_per_device"] for o in optimizers]
+    found = sum(f for state in states for f in state.values())
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    for state in states:
+        for device in state:
+            state[device] = found.clone()
 
 
 def inf_on_one_rank(rank: int) -> dict[str, Any]:
@@ -304,6 +354,31 @@ def users_clip(rank: int) -> dict[str, Any]:
     return {"message": message, "clipped": clipped, "dense_grads": len(grads)}
 
 
+def ep_norm_semantics(rank: int) -> dict[str, list[bool]]:
+    """Expert parallelism's global norm (`LocalExperts.global_norm`) on random gradients, 8 draws, against
+    torchtitan's (`ep_global_clip_`: the experts as DTensors sharded over the ranks, whose norm
+    `full_tensor()` reduces, with the dense norm). The negative control: each rank's total expert norm
+    reduced once over the ranks, as this norm was taken before (the same sum, other bits)."""
+    gen = torch.Generator().manual_seed(rank)
+    seen: dict[str, list[bool]] = {"equal": [], "per_rank_total_equal": []}
+    for draw in range(8):
+        experts = [nn.Parameter(torch.zeros(2, 32, 32)) for _ in range(4)]
+        for p in experts:
+            p.grad = torch.randn(p.shape, generator=gen)
+        dense = [nn.Parameter(torch.zeros(64))]
+        dense[0].grad = torch.randn(64, generator=torch.Generator().manual_seed(draw))  # alike on every rank
+        grads = [p.grad for p in dense + experts]
+        norms = [tensor_norm(g) for g in grads]
+        ours = LocalExperts(dist.group.WORLD).global_norm(norms, [False] + [True] * len(experts))
+        squares = total_norm(norms[1:]) ** 2
+        dist.all_reduce(squares)
+        per_rank_total = (squares + total_norm(norms[:1]) ** 2) ** (1.0 / 2)
+        titan = ep_global_clip_(dense, experts, MAX_NORM)
+        seen["equal"].append(torch.equal(ours, titan))
+        seen["per_rank_total_equal"].append(torch.equal(per_rank_total, titan))
+    return seen
+
+
 EXACT = [
     ("fp32", "all", "eager", 4),
     ("bf16", "all", "eager", 3),
@@ -337,7 +412,9 @@ def deferred(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
     out["control/sync_every"] = against_sync_every_micro_batch(rank)
     out["grad_scaler"] = grad_scaler(rank)
+    out["grad_scaler/ep"] = grad_scaler(rank, "ep")
     out["inf_on_one_rank"] = inf_on_one_rank(rank)
+    out["ep_norm"] = ep_norm_semantics(rank)
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")
     out["users_clip"] = users_clip(rank)
@@ -356,3 +433,42 @@ def deferred_inductor(rank: int) -> dict[str, Any]:
 
 
 INDUCTOR = ("bf16", "all", "inductor", 2)
+
+
+FOUR_RANKS = {"ddp": ("fp32", "all", "eager", 4, "ddp"), "ep": ("fp32", "all", "eager", 4, "ep")}
+"""The 4-rank cases (one spawn per engine, marked slow): the clip over all parameters, 4 micro-batches."""
+ONE_TENSOR_BUCKETS = {"bucket_cap_mb_list": [0]}
+"""DDP with each parameter in its own bucket, on both sides, from the first step (DDP's default puts
+every parameter in one bucket for the first step and rebuilds them after it; a per-bucket cap list is
+kept through the rebuild). Above 2 ranks gloo's ring sums an element in an order set by its place in
+the buffer reduced, so the same values reduced alone and inside a bucket with other tensors round
+otherwise (last bits): Sonar's dense buckets (experts left out) and the twin's (experts in) differ, as
+do Sonar's expert all-reduce and the twin's bucket. With one tensor per bucket every reduction on both
+sides is of one tensor alone; the arithmetic is then DDP's, bit for bit."""
+EP_FOUR_RANKS = {"num_experts": 8}
+"""Two experts per rank on 4 ranks (tiny-reference has 4: one per rank leaves each rank a (1, out, in)
+tensor, which expert discovery does not take for a batched expert tensor)."""
+
+
+def deferred_four(rank: int, engine: str) -> dict[str, Any]:
+    """The 4-rank case of `engine`. DDP: with one tensor per bucket (bitwise), and the negative control
+    with DDP's default buckets on both sides (last bits apart, reported)."""
+    os.environ[ON_SAVING_LOST_ENV] = "warn"
+    case = FOUR_RANKS[engine]
+    if engine == "ep":  # its experts need no collective, DDP's dense buckets are the same on both sides
+        return {label(*case): exact(rank, *case, model_kw=EP_FOUR_RANKS)}
+    out: dict[str, Any] = {label(*case): exact(rank, *case, ddp_kwargs=ONE_TENSOR_BUCKETS)}
+    data = data_of(rank, case[3])
+    run, opt, model = sonar_on("ddp", torch.float32, "all", "eager")
+    train_sonar(run, opt, data, "all")
+    twin, _ = train_plain("ddp", torch.float32, "all", "eager", data)
+    out["control/default_buckets"] = dict(differ=differ(model, twin), max_abs_diff=max_abs_diff(model, twin))
+    return out
+
+
+def deferred_four_ddp(rank: int) -> dict[str, Any]:
+    return deferred_four(rank, "ddp")
+
+
+def deferred_four_ep(rank: int) -> dict[str, Any]:
+    return deferred_four(rank, "ep")

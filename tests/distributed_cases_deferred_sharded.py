@@ -349,3 +349,20 @@ def deferred_sharded_four(rank: int) -> dict[str, Any]:
     """The 4-rank case (its own spawn, marked slow): FSDP2, fp32, the clip over all parameters."""
     os.environ[ON_SAVING_LOST_ENV] = "warn"
     return {label(*FOUR_RANKS): exact(rank, *FOUR_RANKS)[0]}
+
+
+INDUCTOR = ("fsdp2", "bf16", "all", "inductor", 4)
+"""FSDP2 with each block compiled by inductor (bf16: transformers' compiled fp32 grouped_mm path is a
+known library failure), 4 micro-batches, the clip over every parameter; its own spawn (marked slow)."""
+
+
+def deferred_sharded_inductor(rank: int) -> dict[str, Any]:
+    """The inductor case alone, with deterministic kernels on both sides (inductor's CPU embedding
+    backward accumulates in parallel otherwise)."""
+    os.environ[ON_SAVING_LOST_ENV] = "warn"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return {label(*INDUCTOR): exact(rank, *INDUCTOR)[0]}
+    finally:
+        torch.use_deterministic_algorithms(deterministic)

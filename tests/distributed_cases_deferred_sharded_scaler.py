@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from distributed_cases_deferred import SCALER, one_verdict_
 from distributed_cases_deferred_sharded import (
     MAX_NORM,
     differ_full,
@@ -30,8 +30,6 @@ from sonar_fx.experts.discovery import ExpertSet
 
 from helpers import CFG, batches
 
-SCALER = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
-"""A scale that grows into fp16 overflow every other step: steps are skipped and the scale backs off."""
 SCALER_STEPS = 5
 
 
@@ -125,17 +123,6 @@ def expert_inf_on_one_rank(rank: int, engine: str, mesh: tuple[int, int]) -> dic
         moved.append([n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n])])
         scales.append(scaler.get_scale())
     return {"moved": moved, "scales": scales}
-
-
-def one_verdict_(scaler: Any, optimizers: list[torch.optim.Optimizer]) -> None:
-    """One inf verdict for the whole step, as one optimizer over every parameter has on FSDP2: each
-    optimizer's (dense: every rank; experts: their "dp" column) summed and taken over every rank."""
-    states = [scaler._per_optimizer_states[id(o)]["found_inf_per_device"] for o in optimizers]
-    found = sum(f for state in states for f in state.values())
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    for state in states:
-        for device in state:
-            state[device] = found.clone()
 
 
 def user_clip_under_scaler(rank: int) -> dict[str, Any]:

@@ -1,15 +1,19 @@
-"""schedule="deferred" on DDP and expert parallelism, 2 gloo processes: bitwise the plain engine with
-the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler
-(DDP), the logged norm the plain clip's; or refused at step() before any weight moves.
+"""schedule="deferred" on DDP and expert parallelism, gloo processes: bitwise the plain engine with
+the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler,
+the logged norm the plain clip's; or refused at step() before any weight moves.
 
-One spawn runs every case (`distributed_cases_deferred`); each rank reports its own comparison.
+One spawn of 2 ranks runs every case (`distributed_cases_deferred`); each rank reports its own
+comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
-from distributed_cases_deferred import EXACT, EXACT_EP, INDUCTOR, MAX_NORM, STEPS, label
+from distributed_cases_deferred import EXACT, EXACT_EP, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
 
 import sonar_fx
 
@@ -34,36 +38,53 @@ def marked(case: tuple) -> object:
     return pytest.param(case, marks=marks, id=label(*case))
 
 
+def check_ddp(run: dict, case: tuple) -> None:
+    """One rank's DDP case: bitwise, the clip active, the logged norm the plain clip's, the saving."""
+    accum = case[3]
+    assert run["differ"] == [], run["differ"][:3]
+    assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]  # clip active each step
+    # The norm Sonar logs is the one the plain engine's clip_grad_norm_ returns, bit for bit.
+    assert run["norms"] == run["twin_norms"]
+    assert run["updates_deferred"] == STEPS * EXPERT_TENSORS
+    assert run["kept_whole"] == []  # every expert gradient came from kept operands
+    assert run["kept_operand_peak"] > 0
+    assert run["fallbacks"] == []
+    # The saving: before step() no expert `.grad` exists (DDP's buckets hold dense ones only) and only
+    # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
+    # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
+    # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
+    # pieces are summed), beside those held since their crossover, each of which holds two in a later
+    # backward (the earlier backwards' sum and this one's running sum): the meter's peak says so.
+    assert run["expert_grads_alive"] == 0
+    assert run["held"] == len(run["crossed_over"])
+    if accum == 2:
+        assert run["crossed_over"] == {}
+        assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
+    assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+    if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
+        assert run["graphs"] >= 1, run
+
+
 @pytest.mark.parametrize("case", [marked(c) for c in EXACT])
 def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case):
     runs = [r[label(*case)] for r in ranks]
-    accum = case[3]
     for run in runs:
-        assert run["differ"] == [], run["differ"][:3]
-        assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]  # clip active each step
-        # The norm Sonar logs is the one the plain engine's clip_grad_norm_ returns, bit for bit.
-        assert run["norms"] == run["twin_norms"]
-        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS
-        assert run["kept_whole"] == []  # every expert gradient came from kept operands
-        assert run["kept_operand_peak"] > 0
-        assert run["fallbacks"] == []
-        # The saving: before step() no expert `.grad` exists (DDP's buckets hold dense ones only) and only
-        # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
-        # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
-        # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
-        # pieces are summed), beside those held since their crossover, each of which holds two in a later
-        # backward (the earlier backwards' sum and this one's running sum): the meter's peak says so.
-        assert run["expert_grads_alive"] == 0
-        assert run["held"] == len(run["crossed_over"])
-        if accum == 2:
-            assert run["crossed_over"] == {}
-            assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
-        assert (
-            run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
-        )
-        if case[2] != "eager":  # the graph pass kept the operands: no graph fell back to the eager capture
-            assert run["graphs"] >= 1, run
+        check_ddp(run, case)
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
+
+
+def check_ep(run: dict, case: tuple) -> None:
+    """One rank's expert-parallel case: bitwise, the clip active, the logged norm torchtitan's."""
+    assert run["differ"] == [], run["differ"][:3]
+    assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
+    assert run["norms"] == run["twin_norms"]
+    assert run["fallbacks"] == []
+    assert run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
+    # Sonar's own grouped-GEMM op: the eager capture keeps its operands, as the compiled blocks do
+    assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
+    assert run["expert_grads_alive"] == 0 and run["held"] == len(run["crossed_over"])
+    if case[2] != "eager":
+        assert run["graphs"] >= 1
 
 
 @pytest.mark.parametrize("case", EXACT_EP, ids=[label(*c) for c in EXACT_EP])
@@ -72,20 +93,9 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
     DDP; the norm over every parameter is torchtitan's (each expert counted once)."""
     runs = [r[label(*case)] for r in ranks]
     for run in runs:
-        assert run["differ"] == [], run["differ"][:3]
-        assert all(n > MAX_NORM for n in run["twin_norms"]), run["twin_norms"]
-        assert run["norms"] == run["twin_norms"]
-        assert run["fallbacks"] == []
-        assert (
-            run["biggest_expert"] <= run["step_grad_peak"] <= 2 * (run["held_bytes"] + run["biggest_expert"])
-        )
-        # Sonar's own grouped-GEMM op: the eager capture keeps its operands, as the compiled blocks do
-        assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
-        assert run["expert_grads_alive"] == 0 and run["held"] == len(run["crossed_over"])
-        if case[2] != "eager":
-            assert run["graphs"] >= 1
+        check_ep(run, case)
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
-    assert len({run["digest"] for run in runs}) == 2, "each rank holds its own experts"
+    assert len({run["digest"] for run in runs}) == len(runs), "each rank holds its own experts"
 
 
 @pytest.mark.slow
@@ -100,12 +110,55 @@ def test_deferred_on_ddp_under_inductor_equals_plain_ddp_under_inductor(tmp_path
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
 
 
-def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_plain_ddp(ranks):
+@pytest.mark.slow
+def test_deferred_on_ddp_on_four_ranks_equals_plain_ddp(tmp_path):
+    """4 gloo ranks, fp32 eager, 4 micro-batches, the clip over all parameters: bitwise with each
+    parameter in its own DDP bucket on both sides (`ONE_TENSOR_BUCKETS`: gloo's ring sums an element in
+    an order set by its place in the buffer reduced); each all-reduce overlaps the next gradient. The
+    negative control, DDP's default buckets on both sides, is last bits apart."""
+    distributed_worker.run("distributed_cases_deferred:deferred_four_ddp", str(tmp_path), world=4)
+    ranks = distributed_worker.results(str(tmp_path), world=4)
+    case = FOUR_RANKS["ddp"]
+    runs = [r[label(*case)] for r in ranks]
+    for run in runs:
+        check_ddp(run, case)
+        assert run["overlapped"] == STEPS * 2 * (EXPERT_TENSORS - 1), run["overlapped"]
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
     for r in ranks:
-        run = r["grad_scaler"]
-        assert all(ours == theirs for ours, theirs in run["scales"]), run["scales"]
-        assert len({ours for ours, _ in run["scales"]}) > 1  # some steps overflowed, some stepped
+        control = r["control/default_buckets"]
+        assert control["differ"] and control["max_abs_diff"] > 0, control
+
+
+@pytest.mark.slow
+def test_deferred_on_expert_parallel_on_four_ranks_equals_the_plain_engine(tmp_path):
+    """4 gloo ranks, two experts of each tensor per rank (8 in all), fp32 eager, 4 micro-batches, the
+    clip over all parameters (torchtitan's norm): bitwise with DDP's default buckets (the dense ones
+    alike on both sides; the experts need no collective)."""
+    distributed_worker.run("distributed_cases_deferred:deferred_four_ep", str(tmp_path), world=4)
+    case = FOUR_RANKS["ep"]
+    runs = [r[label(*case)] for r in distributed_worker.results(str(tmp_path), world=4)]
+    for run in runs:
+        check_ep(run, case)
+        assert run["overlapped"] == 0  # the rank's own experts: no collective in flight at step()
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
+    assert len({run["digest"] for run in runs}) == 4, "each rank holds its own experts"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "ep"])
+def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_the_plain_engine(ranks, engine):
+    """fp16 autocast, fp32 weights, a GradScaler whose scale overflows every other step, the clip over
+    every parameter: bitwise the plain engine with `scaler.unscale_`, the clip (expert parallelism:
+    torchtitan's norm, each expert counted once, the inf verdict over every rank) and `scaler.step`,
+    each step's scale and the logged norm of each step taken included."""
+    for r in ranks:
+        run = r["grad_scaler" if engine == "ddp" else "grad_scaler/ep"]
         assert run["differ"] == [], run["differ"][:3]
+        ours, theirs = zip(*run["scales"], strict=True)
+        assert ours == theirs
+        assert any(b < a for a, b in itertools.pairwise(theirs)), theirs  # a step overflowed: backed off
+        stepped = [n for n in run["norms"] if math.isfinite(n[1])]
+        assert len(stepped) >= 2 and all(o == t for o, t in stepped), run["norms"]
+        assert all(n[1] > MAX_NORM for n in stepped)  # the clip is active on every step taken
 
 
 def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
@@ -114,6 +167,16 @@ def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ran
         assert run["moved_in_skipped"] == []  # on the clean rank too
         assert run["skipped_steps"] == 1
         assert run["differ"] == [], run["differ"][:3]
+
+
+def test_expert_parallel_norm_reduces_each_tensor_over_the_ranks_as_torchtitan_does(ranks):
+    """torchtitan's norm (DTensor's `get_total_norm(...).full_tensor()`) reduces each expert tensor's
+    norm over the ranks, then takes the norm of those: Sonar's is that, bit for bit on every draw; each
+    rank's total reduced once (the negative control) is other bits on some."""
+    for r in ranks:
+        seen = r["ep_norm"]
+        assert all(seen["equal"]), seen
+        assert not all(seen["per_rank_total_equal"]), seen
 
 
 def test_negative_control_a_twin_syncing_every_micro_batch_differs(ranks):

@@ -4,7 +4,7 @@ clip over every parameter (or the dense ones), the logged norm the plain clip's,
 GradScaler (an overflow included); or refused at step() before any weight moves.
 
 One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
-and the 4-rank case have their own (slow).
+(aot_eager, inductor) and the 4-rank case have their own (slow).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import itertools
 import math
 
 import pytest
-from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, MAX_NORM, STEPS, label
+from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
 
 import sonar_fx
 
@@ -141,6 +141,17 @@ def test_deferred_on_fsdp2_with_compiled_blocks_equals_plain_fsdp2_with_compiled
     runs = [r[label(*COMPILED)] for r in distributed_worker.results(str(tmp_path))]
     for run in runs:
         check_exact(run, COMPILED)
+    assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
+
+
+@pytest.mark.slow
+def test_deferred_on_fsdp2_with_inductor_blocks_equals_plain_fsdp2_with_inductor_blocks(tmp_path):
+    """Each block compiled by inductor on both sides, bf16, 4 micro-batches, the clip over every
+    parameter: the graph pass keeps the operands under inductor too, bitwise the plain engine."""
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_inductor", str(tmp_path))
+    runs = [r[label(*INDUCTOR)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        check_exact(run, INDUCTOR)
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
 
 

@@ -53,27 +53,36 @@ def any_rank(local: bool, group: dist.ProcessGroup | None = None) -> bool:
     return bool(flag.item())
 
 
-def norm_over_ranks(norm: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """The norm of tensors spread over the ranks of `group`, from each rank's norm of its own: x^2,
-    all-reduce (sum), x^(1/2), DTensor's reduction of a partial norm (`_NormPartial`), so that it
-    rounds as a DTensor's `full_tensor()` does."""
-    squares = norm**2
-    dist.all_reduce(squares, group=group)
-    return squares ** (1.0 / 2)
-
-
-def expert_parallel_norm(dense: Tensor, own_experts: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """The global gradient norm under expert parallelism, as torchtitan clips it: the dense norm (the
-    same on every rank) and the norm of every rank's experts (each rank's own, combined over `group`),
-    summed as p-th powers. Every rank of `group` calls it at the same point."""
-    experts = norm_over_ranks(own_experts, group)
+def expert_parallel_norm(dense: Tensor, expert_norms: Sequence[Tensor], group: dist.ProcessGroup) -> Tensor:
+    """The global gradient norm under expert parallelism, as torchtitan clips it (`get_total_norm` over
+    the experts as DTensors sharded over `group`, then `full_tensor()`), combined with the dense norm
+    (the same on every rank) as p-th powers. DTensor reduces each expert tensor's partial norm over the
+    ranks before it stacks them (`stack` takes replicated inputs), so the experts' norm is the norm of
+    per-tensor norms over every rank (`norms_over_ranks`), not of each rank's total: other bits, at
+    world size 2 as well. `expert_norms`: this rank's, one per expert tensor in parameter order. Every
+    rank of `group` calls it at the same point."""
+    experts = total_norm(norms_over_ranks(expert_norms, group))
     return (experts**2 + dense**2) ** (1.0 / 2)
 
 
-def split_norms(norms: Sequence[Tensor], experts: Sequence[bool]) -> tuple[Tensor, Tensor]:
-    """The total norm of the dense tensors' norms and of the experts' (each in parameter order)."""
+def norms_over_ranks(norms: Sequence[Tensor], group: dist.ProcessGroup) -> list[Tensor]:
+    """Each tensor's norm over the ranks of `group` from each rank's norm of its part, one collective
+    per tensor as DTensor redistributes each partial norm (the sum order of a reduction depends on its
+    buffer: one per tensor, as there); all started, then waited. A group of one rank reduces nothing,
+    as DTensor skips a mesh dimension of size 1."""
+    if dist.get_world_size(group) == 1:
+        return list(norms)
+    squares = [norm**2 for norm in norms]
+    works = [dist.all_reduce(square, group=group, async_op=True) for square in squares]
+    for work in works:
+        work.wait()
+    return [square ** (1.0 / 2) for square in squares]
+
+
+def split_norms(norms: Sequence[Tensor], experts: Sequence[bool]) -> tuple[Tensor, list[Tensor]]:
+    """The total norm of the dense tensors' norms, and the experts' norms (each in parameter order)."""
     dense = total_norm([n for n, e in zip(norms, experts, strict=True) if not e])
-    return dense, total_norm([n for n, e in zip(norms, experts, strict=True) if e])
+    return dense, [n for n, e in zip(norms, experts, strict=True) if e]
 
 
 class DenseWrapped(Protocol):
@@ -305,7 +314,7 @@ class ShardedGrads:
         if self.expert_group is None:
             return plain(total_norm(norms))  # DTensor partial norms, reduced as clip_grad_norm_ does
         dense, own = split_norms(norms, experts)  # two meshes: dense over every rank, experts over dp
-        return expert_parallel_norm(plain(dense), plain(own), self.expert_group)
+        return expert_parallel_norm(plain(dense), [plain(n) for n in own], self.expert_group)
 
     def replay(self, experts: list[Tensor]) -> AbstractContextManager[list[Tensor]]:
         if self.unsharded is None:
