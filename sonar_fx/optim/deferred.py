@@ -354,7 +354,7 @@ class DeferredGrads:
             param.grad = None
             if pending is not None:
                 self.live_bytes -= pending.nbytes()
-                self._uncount(pending)  # the caller counts the gradient it gets (`_step_gradient`)
+                self._uncount(pending)  # the caller counts the gradient it gets (`deferred_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
         return _accumulate(groups, param, own=consume, before_piece=_after_first(before_second))

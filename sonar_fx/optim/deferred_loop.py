@@ -31,6 +31,7 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.deferred_gradient import step_gradient
 from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 
@@ -265,9 +266,8 @@ def _expert_norms(opt: LoopOptimizer, norms: dict[int, Tensor], norm_type: float
     expert_norms = {}
     for p in experts:
         name, key = opt.expert_name(p), object()  # a key of its own: a held gradient stays under `p`
-        grad = _norm_pass_gradient(opt, p, key)
-        if grad is None:
-            continue
+        # As autograd's `.grad` would be (the norm's own bits); read in place where held as one tensor.
+        grad = step_gradient(store, opt.meter, p, consume=False, key=key, read_only=True)
         norms[id(p)] = expert_norms[name] = torch._foreach_norm([grad], norm_type)[0]
         if not (budgeted and kept.keep(p, name, grad, key, store, drop=True)):
             opt.meter.freed(key)
@@ -275,36 +275,6 @@ def _expert_norms(opt: LoopOptimizer, norms: dict[int, Tensor], norm_type: float
     if budgeted:
         kept.finish()
     return expert_norms
-
-
-def _norm_pass_gradient(opt: LoopOptimizer, p: Tensor, key: object) -> Tensor | None:
-    """`p`'s gradient in its layout (as autograd's `.grad`: the norm's own bits), counted on the meter
-    under `key` as the step's norm pass counts it (`deferred_step._step_gradient`): with a summed
-    piece or a layout copy's source alive beside it for a moment. A gradient the step holds as one
-    tensor already (crossed over) is read in place: only a layout copy of it is new."""
-    store, meter = opt.deferred, opt.meter
-    nbytes = p.numel() * p.element_size()
-    raw = store.held(p)
-    if raw is None:
-        meter.appeared(key, nbytes)
-        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
-            _alive_for_a_moment(meter, nbytes)
-        raw = store.gradient(p, consume=False)
-        if raw is None:
-            meter.freed(key)
-            return None
-    grad = grad_like_param(p, raw)
-    if grad is not raw:  # a layout copy, with its source beside it for a moment
-        meter.appeared(key, nbytes)
-        if raw is not store.held(p):
-            _alive_for_a_moment(meter, nbytes)
-    return grad
-
-
-def _alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
-    temporary = object()
-    meter.appeared(temporary, nbytes)
-    meter.freed(temporary)
 
 
 class ZeroGradWithKept:
