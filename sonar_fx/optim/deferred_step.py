@@ -72,7 +72,11 @@ def step(opt: SonarOptimizer) -> None:
     # A verdict before any weight moves: the scaler's, the global norm, or nonfinite="skip"'s promise
     # that a skipped step is as if never seen (each costs one more computation of every gradient).
     skip_whole = opt.nonfinite_policy.mode == "skip"
-    if scaler is not None or clip_all or skip_whole:
+    # The user's clip (model.sonar.clip_grad_norm_) took every norm after the last backward: under
+    # nonfinite="skip" its total is the verdict, and no gradient is computed again for it.
+    if opt.loop.clip is not None and skip_whole and scaler is None and not clip_all:
+        experts = [] if deferred_loop.user_clip_skips(opt) else experts
+    elif scaler is not None or clip_all or skip_whole:
         found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
         # One verdict on every rank: a rank holding other experts (expert parallelism) saw other infs.
         if scaler is not None and opt._any_rank(found_inf is not None and bool(found_inf.item())):
