@@ -12,7 +12,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from sonar_fx.optim.adamw import grad_like_param
-from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.deferred import DeferredGrads, alive_for_a_moment
 from sonar_fx.runtime.meter import ExpertGradMeter
 
 
@@ -59,13 +59,6 @@ def step_gradient(
     if raw is not held:  # (a held source is counted already)
         alive_for_a_moment(meter, nbytes)
     return grad
-
-
-def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
-    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
-    temporary = object()
-    meter.appeared(temporary, nbytes)
-    meter.freed(temporary)
 
 
 def _required(grad: Tensor | None) -> Tensor:
