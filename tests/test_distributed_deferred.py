@@ -51,8 +51,8 @@ def test_deferred_on_ddp_equals_plain_ddp_with_no_sync_accumulation(ranks, case)
         # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
         # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
         # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
-        # pieces are summed), beside those held since their crossover, each of which holds two in a later
-        # backward (the earlier backwards' sum and this one's running sum): the meter's peak says so.
+        # pieces are summed), beside those held since their crossover (a later backward's sum is added
+        # into each when autograd runs its AccumulateGrad: one gradient each, and one piece for a moment).
         assert run["expert_grads_alive"] == 0
         assert run["held"] == len(run["crossed_over"])
         if accum == 2:
