@@ -368,3 +368,35 @@ def test_every_dense_tensor_frozen_under_a_grad_scaler_trains_exactly(compiler):
     assert all(a == b for a, b in scales) and len({a for a, _ in scales}) > 1, scales
     assert_same_weights(model, twin_model)
     assert opt.report()["deferred"]["kept_whole"] == []
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])  # 45 s
+def test_a_crossed_over_tensor_holds_one_gradient_through_later_backwards(compiler):
+    """Past its crossover an expert tensor's gradient is carried whole, and each later backward's
+    contribution is added into it when autograd runs the tensor's AccumulateGrad node, as plain torch
+    adds into `.grad` (it was held beside the carried one until the backward ended: 2x each crossed
+    tensor at the peak). Over the later backwards the meter's peak is the carried gradients plus one
+    new piece for a moment, never a second copy of each; every carried gradient stays the same tensor,
+    added in place, alone in the store; the weights are plain torch's, bitwise."""
+    model, opt, twin_model, twin = pair(compiler, torch.bfloat16, "all")
+    data = batches(4, seq=32)  # 2 x 32 tokens per micro-batch: every expert tensor crosses in the 2nd
+    for b in data[:2]:
+        model(**b).loss.backward()
+        twin.run(**b).loss.backward()
+    store = opt.deferred
+    crossed = [p for p in opt.expert_group["params"] if store.crossed_over(p)]
+    sizes = [p.numel() * p.element_size() for p in crossed]
+    carried = {id(p): store.held(p) for p in crossed}
+    assert len(crossed) == 4 and all(g is not None for g in carried.values()), opt.report()["deferred"]
+    assert opt.meter.live == sum(sizes)  # one gradient per crossed tensor; operands are not counted
+    opt.meter.end_step()  # the peak from here: the later backwards only
+    for b in data[2:]:
+        model(**b).loss.backward()
+        twin.run(**b).loss.backward()
+        for p in crossed:  # the carried tensor itself, the backward's sum added into it, nothing beside
+            assert store.kept[id(p)].groups() == [[carried[id(p)]]]
+            assert store.held(p) is carried[id(p)]
+    assert opt.meter.peak == sum(sizes) + max(sizes) < 2 * sum(sizes), (opt.meter.peak, sizes)
+    opt.step()
+    twin.step()
+    assert_same_weights(model, twin_model)

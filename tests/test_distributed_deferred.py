@@ -53,8 +53,8 @@ def check_ddp(run: dict, case: tuple) -> None:
     # a tensor that crossed over (its operands outgrew its gradient: 3-4 micro-batches here) holds a
     # gradient, in the deferred store; with 2 micro-batches none does and the kept operands are below
     # the expert gradients. At step() the gradients are computed one at a time (two while a tensor's
-    # pieces are summed), beside those held since their crossover, each of which holds two in a later
-    # backward (the earlier backwards' sum and this one's running sum): the meter's peak says so.
+    # pieces are summed), beside those held since their crossover (a later backward's sum is added
+    # into each when autograd runs its AccumulateGrad: one gradient each, and one piece for a moment).
     assert run["expert_grads_alive"] == 0
     assert run["held"] == len(run["crossed_over"])
     if accum == 2:
@@ -222,7 +222,7 @@ def test_each_ddp_all_reduce_runs_while_the_next_expert_gradient_is_computed(ran
     passes = 2 if case[1] == "all" else 1
     for run in (r[label(*case)] for r in ranks):
         assert run["overlapped"] == STEPS * passes * (EXPERT_TENSORS - 1), run["overlapped"]
-        if not run["crossed_over"]:  # (a tensor held since its crossover holds two in a later backward)
+        if not run["crossed_over"]:  # (a tensor held since its crossover adds to the step's peak)
             assert run["step_grad_peak"] <= 2 * run["biggest_expert"], run
 
 

@@ -18,7 +18,10 @@ a producer with no recipe) is taken out of `.grad` by the expert's hook and join
 where it arrived: exact, but alive until the step (counted by the meter; the saving guard says
 so, once, with the cause). A tensor
 whose kept contributions outgrow its gradient (many tokens per step) crosses over: the same sums are
-taken then and carried as one gradient from there on, as standard training holds it. A backward that
+taken then and carried as one gradient from there on, as standard training holds it: each later
+backward's contributions are added into it when autograd runs the tensor's AccumulateGrad node (a
+pre-hook on it: `_await_accumulation`), as AccumulateGrad adds, so the carried gradient and a new
+backward's sum are never held side by side through the backward. A backward that
 plain torch would not take to an expert tensor (`inputs=`, `torch.autograd.grad` of other tensors)
 keeps nothing for it (`wanted_by_this_backward`).
 """
@@ -31,10 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.passes.recipe import Into, Program, load_recipe, region_of
-from sonar_fx.runtime.engine import gradient_fate
+from sonar_fx.runtime.engine import accumulate_grad_node, gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage, storage_key
 
@@ -86,7 +90,8 @@ class _Pending:
     open: dict[int, list[Entry]] = field(default_factory=dict)
     """Graph task id -> the contributions of a backward still running."""
     folded: bool = False
-    """Crossed over: `closed` holds at most one gradient, each open backward one running sum."""
+    """Crossed over: `closed` holds at most one gradient; an open backward's contributions are added
+    into it when autograd's AccumulateGrad for the tensor runs in that backward (`_settle`)."""
     metered: dict[int, Tensor] = field(default_factory=dict)
     """The gradient-sized tensors held (whole gradients, sums) as the meter counts them."""
 
@@ -98,11 +103,15 @@ class _Pending:
     def nbytes(self) -> int:
         return sum(_entry_bytes(e) for group in self.groups() for e in group)
 
-    def fold_closed(self) -> None:
-        """The ended backwards' sums accumulated into one gradient (the same additions, in order)."""
+    def fold_closed(self) -> bool:
+        """The ended backwards' sums accumulated into one gradient (the same additions, in order).
+        True if a piece was computed beside the running total (it lived for a moment)."""
         if len(self.closed) > 1 or any(isinstance(e, _Kept) for g in self.closed for e in g):
+            beside = sum(_pieces(g) for g in self.closed) > 1
             total = _accumulate(self.closed, self.param, own=True)
             self.closed = [[total]] if total is not None else []
+            return beside
+        return False
 
 
 def _pieces(group: list[Entry]) -> int:
@@ -113,6 +122,13 @@ def _pieces(group: list[Entry]) -> int:
 
 def _nothing() -> None:
     return None
+
+
+def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
+    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
+    temporary = object()
+    meter.appeared(temporary, nbytes)
+    meter.freed(temporary)
 
 
 def _after_first(call: Callable[[], None] | None) -> Callable[[], None]:
@@ -198,13 +214,17 @@ class DeferredGrads:
     """Expert gradients computed at `step()` while the collective of the one before still ran
     (`deferred_pipeline`), in this run."""
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
+    _hooks: dict[int, list[RemovableHandle]] = field(default_factory=dict)  # task -> AccumulateGrad hooks
 
-    def add(self, param: Tensor, name: str, recipe: str, operands: list[Tensor]) -> None:
-        """One weight-gradient GEMM's operands for `param`, from the backward running now."""
+    def add(
+        self, param: Tensor, name: str, recipe: str, operands: list[Tensor], *, reached: Tensor | None = None
+    ) -> None:
+        """One weight-gradient GEMM's operands for `param`, from the backward running now. `reached`:
+        the tensor autograd accumulates into for `param`, where that is another (FSDP2's unsharded one)."""
         kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
         own = [t for t in kept if isinstance(t, Tensor)]
         nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in own}.values())
-        self._contribute(param, name, _Kept(recipe, kept, nbytes))
+        self._contribute(param, name, _Kept(recipe, kept, nbytes), param if reached is None else reached)
 
     def add_whole(self, param: Tensor, name: str) -> None:
         """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
@@ -213,7 +233,9 @@ class DeferredGrads:
         grad, param.grad = param.grad, None
         assert grad is not None
         self.whole.add(name)
-        self._contribute(param, name, grad)
+        self._contribute(param, name, grad, None)
+        # Its hook runs in AccumulateGrad: this backward's contributions to `param` are all in.
+        self._settle(self.kept[id(param)], torch._C._current_graph_task_id())
 
     def add_accumulated(self, param: Tensor, grad: Tensor) -> None:
         """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
@@ -222,39 +244,28 @@ class DeferredGrads:
         self._grow(_entry_bytes(grad))
         self._count(pending)
 
-    def _contribute(self, param: Tensor, name: str, entry: Entry) -> None:
+    def _contribute(self, param: Tensor, name: str, entry: Entry, reached: Tensor | None) -> None:
+        """`entry` joins its backward's contributions (`reached`: the tensor whose AccumulateGrad ends
+        them; None: it is running now)."""
         pending = self.kept.get(id(param))
         if pending is None:
             pending = self.kept[id(param)] = _Pending(param)
-        group = self._group(pending)
-        if pending.folded:  # crossed over: the gradient now, into one running sum per backward
-            grad = _sum([entry], param, own=True)
-            assert grad is not None
-            if group:
-                group[0].add_(grad)  # type: ignore[union-attr]
-            else:
-                group.append(grad)
-                self._grow(_entry_bytes(grad))
-        else:
-            group.append(entry)
-            self._grow(_entry_bytes(entry))
-        held = pending.nbytes()
-        # The crossover is the operands outgrowing the gradient; whole gradients are summed at each
-        # backward's end (`_close`) and never cross over by themselves.
+        task = torch._C._current_graph_task_id()
+        self._group(pending, task, reached).append(entry)
+        self._grow(_entry_bytes(entry))
+        # The crossover is the operands outgrowing the gradient; whole gradients are summed as their
+        # backward's sum is complete (`_settle`) and never cross over by themselves.
         operands = sum(e.nbytes for g in pending.groups() for e in g if isinstance(e, _Kept))
         if not pending.folded and operands > param.numel() * param.element_size():
-            pending.fold_closed()
-            for task, open_group in pending.open.items():
-                running_sum = _sum(open_group, param, own=True)
-                pending.open[task] = [running_sum] if running_sum is not None else []
             pending.folded = True
-            self._grow(pending.nbytes() - held)
             self.crossed[name] = operands
+            self._fold(pending)  # the ended backwards' sums: one gradient from now on
+        elif pending.folded and task == NO_TASK:
+            self._fold(pending)  # a contribution outside any backward: its own, added now
         self._count(pending)
 
-    def _group(self, pending: _Pending) -> list[Entry]:
+    def _group(self, pending: _Pending, task: int, reached: Tensor | None) -> list[Entry]:
         """The running backward's contributions of `pending` (a call outside any backward: one of its own)."""
-        task = torch._C._current_graph_task_id()
         if task == NO_TASK:
             pending.closed.append([])
             return pending.closed[-1]
@@ -262,7 +273,47 @@ class DeferredGrads:
             self._open_tasks.add(task)
             engine = torch.autograd.Variable._execution_engine
             engine.queue_callback(functools.partial(self._close, task))
-        return pending.open.setdefault(task, [])
+        group = pending.open.get(task)
+        if group is None:
+            group = pending.open[task] = []
+            if reached is not None:
+                self._await_accumulation(pending, task, reached)
+        return group
+
+    def _await_accumulation(self, pending: _Pending, task: int, reached: Tensor) -> None:
+        """Settle `pending`'s contributions of backward `task` when autograd runs `reached`'s
+        AccumulateGrad node in it: its engine runs that node once every use of the tensor in this
+        backward has handed in its part, where plain torch adds the backward's sum to `.grad`."""
+
+        def accumulating(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            handle.remove()
+            # A gradient computed whole comes with it: its hook (`add_whole`) settles after adding it.
+            if grad_outputs[0] is None and self.kept.get(id(pending.param)) is pending:
+                self._settle(pending, task)
+
+        handle = accumulate_grad_node(reached).register_prehook(accumulating)
+        self._hooks.setdefault(task, []).append(handle)
+
+    def _settle(self, pending: _Pending, task: int) -> None:
+        """Backward `task`'s contributions to `pending` are all in: its sum joins the ended ones, and
+        where a gradient is held already (crossed over, or arrived whole) it is accumulated into it
+        now, as AccumulateGrad adds it, rather than held beside it until the backward ends."""
+        group = pending.open.pop(task, None)
+        if group:
+            pending.closed.append(group)
+        whole = any(not isinstance(e, _Kept) for g in pending.closed for e in g)
+        if pending.folded or (whole and len(pending.closed) > 1):
+            self._fold(pending)
+
+    def _fold(self, pending: _Pending) -> None:
+        """`pending`'s ended backwards accumulated into one gradient, counted: what it holds, and the
+        piece that lived beside the running total for a moment (the new sum, before its add)."""
+        before = pending.nbytes()
+        beside = pending.fold_closed()
+        self._grow(pending.nbytes() - before)
+        self._count(pending)
+        if beside and self.meter is not None:
+            alive_for_a_moment(self.meter, pending.param.numel() * pending.param.element_size())
 
     def _count(self, pending: _Pending) -> None:
         """The meter's count of `pending`'s held gradient-sized tensors made what it holds now: those
@@ -289,19 +340,12 @@ class DeferredGrads:
 
     def _close(self, task: int) -> None:
         """Autograd ended graph task `task` (nested ones too: reentrant checkpointing accumulates each
-        nested backward on its own): its sums are complete."""
+        nested backward on its own): its sums are complete (those not settled at AccumulateGrad)."""
         self._open_tasks.discard(task)
+        for handle in self._hooks.pop(task, []):
+            handle.remove()
         for pending in self.kept.values():
-            group = pending.open.pop(task, None)
-            if group:
-                pending.closed.append(group)
-            whole = any(not isinstance(e, _Kept) for g in pending.closed for e in g)
-            if len(pending.closed) > 1 and (pending.folded or whole):
-                # A gradient held whole already: one accumulated gradient, not one per backward.
-                before = pending.nbytes()
-                pending.fold_closed()
-                self._grow(pending.nbytes() - before)
-                self._count(pending)
+            self._settle(pending, task)
 
     def has(self, param: Tensor) -> bool:
         return id(param) in self.kept or param.grad is not None
@@ -354,7 +398,7 @@ class DeferredGrads:
             param.grad = None
             if pending is not None:
                 self.live_bytes -= pending.nbytes()
-                self._uncount(pending)  # the caller counts the gradient it gets (`_step_gradient`)
+                self._uncount(pending)  # the caller counts the gradient it gets (`deferred_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
         return _accumulate(groups, param, own=consume, before_piece=_after_first(before_second))

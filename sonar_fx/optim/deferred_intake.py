@@ -52,7 +52,7 @@ def keep_operands(
     if not deferred.wanted_by_this_backward(param if reached is None else reached, name):
         return
     crossed = opt.deferred.crossed_over(param)
-    opt.deferred.add(param, name, recipe, operands)
+    opt.deferred.add(param, name, recipe, operands, reached=reached)
     if opt.deferred.crossed_over(param) and not crossed:
         # Past the crossover: its gradient is held from now until step() (the store counts it alive).
         nbytes = param.numel() * param.element_size()

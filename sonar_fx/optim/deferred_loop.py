@@ -14,7 +14,8 @@ before any weight moves, naming what to use instead:
   `clip_grad_norm_` here is the habit served exactly: the norm over every parameter, bitwise
   `torch.nn.utils.clip_grad_norm_`'s, and the step clips every expert gradient by it. Its norm pass
   keeps computed gradients within the keep budget for the step's update pass, as the step's own norm
-  pass does (`keep_budget.KeptGradients`).
+  pass does (`keep_budget.KeptGradients`); under nonfinite="skip" its total norm is the step's verdict
+  (`user_clip_skips`): no gradient is computed again for it.
 It never updates a weight; it only watches, refuses, and records the user's clip for `step()`.
 """
 
@@ -31,12 +32,14 @@ from sonar_fx.config import OptimizerConfig
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.optim.adamw import grad_like_param
+from sonar_fx.optim.deferred_gradient import step_gradient
 from sonar_fx.optim.keep_budget import KeptGradients
+from sonar_fx.optim.nonfinite import NonFinitePolicy, finite
 from sonar_fx.optim.norms import ExpertClipper, clip_coefficient, plain, total_norm
 
 if TYPE_CHECKING:  # the deferred step imports this module
     from sonar_fx.optim.grad_watch import DenseGradWatch
-    from sonar_fx.optim.nonfinite import NonFinitePolicy
+    from sonar_fx.optim.stats import SonarStats
     from sonar_fx.optim.step_tracker import StepTracker
     from sonar_fx.runtime.meter import ExpertGradMeter
 
@@ -131,6 +134,7 @@ class LoopOptimizer(Protocol):
     kept_grads: KeptGradients
     loop: DeferredLoop
     nonfinite_policy: NonFinitePolicy
+    stats: SonarStats
     clipper: ExpertClipper
     grad_watch: DenseGradWatch
     tracker: StepTracker
@@ -255,56 +259,40 @@ def _expert_norms(opt: LoopOptimizer, norms: dict[int, Tensor], norm_type: float
     """Each expert gradient's norm (into `norms` by id, and returned by name): computed from its kept
     contributions, counted on the meter while alive, then freed, or kept for the update pass within
     the keep budget, in the order the update pass reaches them (`keep_budget.KeptGradients`; its
-    operands dropped: no scaler here, `refuse_before_step` refuses one). Not under nonfinite="skip":
-    the step's own verdict pass computes every gradient again, and keeps within the budget itself."""
+    operands dropped: no scaler here, `refuse_before_step` refuses one; under nonfinite="skip" a
+    skipped step drops the kept contributions anyway, and its verdict is these norms: `user_clip_skips`)."""
     store, kept = opt.deferred, opt.kept_grads
     experts: list[Tensor] = [p for p in opt.experts.params if store.has(p)]  # weight-decay splits too
-    budgeted = opt.nonfinite_policy.mode != "skip"
-    if budgeted:
-        kept.begin(experts, store)
+    kept.begin(experts, store)
     expert_norms = {}
     for p in experts:
         name, key = opt.expert_name(p), object()  # a key of its own: a held gradient stays under `p`
-        grad = _norm_pass_gradient(opt, p, key)
-        if grad is None:
-            continue
+        # As autograd's `.grad` would be (the norm's own bits); read in place where held as one tensor.
+        grad = step_gradient(store, opt.meter, p, consume=False, key=key, read_only=True)
         norms[id(p)] = expert_norms[name] = torch._foreach_norm([grad], norm_type)[0]
-        if not (budgeted and kept.keep(p, name, grad, key, store, drop=True)):
+        if not kept.keep(p, name, grad, key, store, drop=True):
             opt.meter.freed(key)
         del grad
-    if budgeted:
-        kept.finish()
+    kept.finish()
     return expert_norms
 
 
-def _norm_pass_gradient(opt: LoopOptimizer, p: Tensor, key: object) -> Tensor | None:
-    """`p`'s gradient in its layout (as autograd's `.grad`: the norm's own bits), counted on the meter
-    under `key` as the step's norm pass counts it (`deferred_step._step_gradient`): with a summed
-    piece or a layout copy's source alive beside it for a moment. A gradient the step holds as one
-    tensor already (crossed over) is read in place: only a layout copy of it is new."""
-    store, meter = opt.deferred, opt.meter
-    nbytes = p.numel() * p.element_size()
-    raw = store.held(p)
-    if raw is None:
-        meter.appeared(key, nbytes)
-        if store.pieces(p) > 1:  # the sum holds one piece beside the running total
-            _alive_for_a_moment(meter, nbytes)
-        raw = store.gradient(p, consume=False)
-        if raw is None:
-            meter.freed(key)
-            return None
-    grad = grad_like_param(p, raw)
-    if grad is not raw:  # a layout copy, with its source beside it for a moment
-        meter.appeared(key, nbytes)
-        if raw is not store.held(p):
-            _alive_for_a_moment(meter, nbytes)
-    return grad
-
-
-def _alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
-    temporary = object()
-    meter.appeared(temporary, nbytes)
-    meter.freed(temporary)
+def user_clip_skips(opt: LoopOptimizer) -> bool:
+    """nonfinite="skip" after `clip_grad_norm_`: whether its total norm over every parameter is
+    non-finite (the step is then skipped whole, before any weight moves, and counted). Its norms are
+    the step's verdict, as the plain loop's `torch.isfinite(clip_grad_norm_(...))` is."""
+    clip, current = opt.loop.clip, opt.clipper.current
+    assert clip is not None
+    dense = opt.dense_params()
+    skip = opt.nonfinite_policy.at_global_norm(
+        clip.total,
+        current.experts,
+        lambda: [opt.dense_name(p) for p in dense if not finite(p.grad)],
+        opt.stats,
+        clip="model.sonar.clip_grad_norm_",
+    )
+    opt.clipper.skip_step = opt.clipper.skip_step or skip
+    return skip
 
 
 class ZeroGradWithKept:

@@ -4,12 +4,11 @@ kept contributions (`deferred.DeferredGrads`), reduced as the engine reduces it,
 freed in turn: its reduction runs while the next one is computed (`deferred_pipeline`), so at most two
 are alive at once (or, within the keep budget, taken as the first pass kept them: `keep_budget`). The
 arithmetic of the kept contributions is `deferred`'s; this module only orders the passes and counts
-what each holds alive (`_step_gradient`).
+what each holds alive (`deferred_gradient.step_gradient`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -18,9 +17,9 @@ from torch import Tensor
 
 from sonar_fx.config import OptimizerConfig
 from sonar_fx.optim import deferred_loop, global_clip
-from sonar_fx.optim.adamw import grad_like_param
 from sonar_fx.optim.amp import ScalerStep, scaler_step
 from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.optim.deferred_gradient import step_gradient
 from sonar_fx.optim.deferred_pipeline import pipelined
 from sonar_fx.optim.keep_budget import KeptGradients
 from sonar_fx.optim.nonfinite import NonFinitePolicy
@@ -73,7 +72,11 @@ def step(opt: SonarOptimizer) -> None:
     # A verdict before any weight moves: the scaler's, the global norm, or nonfinite="skip"'s promise
     # that a skipped step is as if never seen (each costs one more computation of every gradient).
     skip_whole = opt.nonfinite_policy.mode == "skip"
-    if scaler is not None or clip_all or skip_whole:
+    # The user's clip (model.sonar.clip_grad_norm_) took every norm after the last backward: under
+    # nonfinite="skip" its total is the verdict, and no gradient is computed again for it.
+    if opt.loop.clip is not None and skip_whole and scaler is None and not clip_all:
+        experts = [] if deferred_loop.user_clip_skips(opt) else experts
+    elif scaler is not None or clip_all or skip_whole:
         found_inf = _first_pass(opt, experts, scaler, clip_all or skip_whole, unscaled, reduce)
         # One verdict on every rank: a rank holding other experts (expert parallelism) saw other infs.
         if scaler is not None and opt._any_rank(found_inf is not None and bool(found_inf.item())):
@@ -109,7 +112,7 @@ def step(opt: SonarOptimizer) -> None:
             if kept is not None:
                 line.started(Reduced(kept), update)
             else:
-                grad = _step_gradient(opt, p, consume=True, key=p, make_room=line.make_room)
+                grad = step_gradient(store, opt.meter, p, consume=True, key=p, make_room=line.make_room)
                 # The engine's reduction (DDP: the mean over ranks), started; the update waits for it.
                 line.started(reduce(name, grad), update)
                 del grad  # the flight holds it until its update, which frees it
@@ -164,7 +167,7 @@ def _first_pass(
     gradients the scaler itself unscaled and checked) and record its norm (global clip), then free it,
     or keep it for the update pass within the keep budget (`keep_budget`; its id joins `unscaled`).
     Returns the experts' inf verdict (scaler only)."""
-    found_inf = None
+    found_inf, store = None, opt.deferred
     if scaler is not None and experts:
         found_inf = torch.zeros((), dtype=torch.float32, device=experts[0].device)
     opt.kept_grads.begin(experts, opt.deferred)
@@ -174,8 +177,8 @@ def _first_pass(
             unscale = scaler is not None and found_inf is not None and id(p) not in unscaled
             # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
             in_place = not unscale and opt.distributed is None
-            grad = _step_gradient(
-                opt, p, consume=False, key=key, read_only=in_place, make_room=line.make_room
+            grad = step_gradient(
+                store, opt.meter, p, consume=False, key=key, read_only=in_place, make_room=line.make_room
             )
             checks = (scaler, found_inf) if unscale else (None, None)
             # The engine's reduction, started; the norm, verdict and keep wait for it.
@@ -216,56 +219,3 @@ def _check(
             unscaled.add(id(p))  # (kept unscaled: the update pass must not unscale it again)
         else:
             opt.meter.freed(key)
-
-
-def _step_gradient(
-    opt: SonarOptimizer,
-    p: Tensor,
-    *,
-    consume: bool,
-    key: object,
-    read_only: bool = False,
-    make_room: Callable[[], None] = lambda: None,
-) -> Tensor:
-    """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
-    holds it, with what is alive beside it while it is made: one more gradient-sized tensor when pieces
-    are summed (backwards, or a gradient held and kept operands), and a layout copy's source. Before
-    either, `make_room()` finishes the gradient still in flight (`deferred_pipeline`): never three
-    alive. The norm pass (`consume=False`) reads a gradient already held as one tensor in place when it
-    only reads it (`read_only`: no unscaling in place): no second copy."""
-    store, meter = opt.deferred, opt.meter
-    nbytes = p.numel() * p.element_size()
-    held = store.held(p)  # counted by the store while it holds it (arrived whole, or crossed over)
-
-    def piece_beside_the_sum() -> None:
-        make_room()
-        alive_for_a_moment(meter, nbytes)
-
-    if not consume and read_only and held is not None:
-        raw = held
-    elif consume and held is not None:  # the held tensor itself is the step's gradient: counted anew
-        raw = _required(store.gradient(p, consume=True))
-        meter.appeared(key, nbytes)
-    else:
-        meter.appeared(key, nbytes)
-        raw = _required(store.gradient(p, consume=consume, before_second=piece_beside_the_sum))
-    if raw.stride() == p.stride():
-        return raw
-    make_room()  # a layout copy: counted under `key`, with its source beside it for a moment
-    grad = grad_like_param(p, raw)
-    meter.appeared(key, nbytes)
-    if raw is not held:  # (a held source is counted already)
-        alive_for_a_moment(meter, nbytes)
-    return grad
-
-
-def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
-    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
-    temporary = object()
-    meter.appeared(temporary, nbytes)
-    meter.freed(temporary)
-
-
-def _required(grad: Tensor | None) -> Tensor:
-    assert grad is not None, "an expert with neither kept operands nor a gradient was stepped"
-    return grad

@@ -121,20 +121,23 @@ class NonFinitePolicy:
         expert_norms: dict[str, Tensor],
         dense_bad: Callable[[], list[str]],
         stats: SonarStats,
+        *,
+        clip: str = "expert_clip='global'",
     ) -> bool:
-        """Between the two passes of expert_clip="global", before any weight or moment was touched:
-        True if the step is skipped for a non-finite global norm; raises under "raise"."""
+        """Between the two passes of expert_clip="global" (or after the deferred schedule's
+        `clip`: the user's), before any weight or moment was touched: True if the step is skipped for
+        a non-finite global norm; raises under "raise"."""
         if self.mode == "ignore" or bool(torch.isfinite(total)):  # one sync per step
             return False
         bad = [n for n, v in expert_norms.items() if not bool(torch.isfinite(v))] + dense_bad()
         if self.mode == "raise":
             raise NonFiniteGradientError(
                 f"non-finite gradients (inf or NaN) in {_listing(bad)} (nonfinite='raise', "
-                "expert_clip='global'): found by the norm pass, before any weight or moment was touched. "
+                f"{clip}): found by the norm pass, before any weight or moment was touched. "
                 f"{_ABANDON}, {_SKIP}",
                 bad,
             )
-        _count_skip(stats, [n for n in expert_norms if n in bad], f"in {_listing(bad)}, expert_clip='global'")
+        _count_skip(stats, [n for n in expert_norms if n in bad], f"in {_listing(bad)}, {clip}")
         return True
 
 
