@@ -40,8 +40,8 @@ a clone per call, is run whole; the compiled pass writes it in place on its own 
 FRESH = {"aten.new_zeros.default", "aten.zeros.default"}
 SLAB_SHARE = 8
 """Chunks hold at most 1/SLAB_SHARE of the gradient's bytes of product (at least one expert's slots):
-the step's transient beside the gradient stays an eighth of a tensor, the chunks few (8 + E/8 at most,
-each a bmm and an index_put over its slots)."""
+the step's transient beside the gradient stays an eighth of a tensor, for about SLAB_SHARE x S/E
+chunks (S/E: the whole product's size in gradients), each a bmm and an index_put over its slots."""
 
 Step = tuple[str, list[Any], dict[str, Any]]
 
@@ -93,7 +93,7 @@ def _expert_chunks(buffer: Tensor, ids: Tensor, a: Tensor, b: Tensor) -> list[Te
     the product is run whole: another form, or one chunk would take it all anyway."""
     if a.dim() != 3 or b.dim() != 3 or a.shape[2] != 1 or b.shape[1] != 1 or ids.dim() != 1:
         return None
-    if ids.dtype not in (torch.int64, torch.int32) or buffer.dim() != 3:
+    if ids.dtype not in (torch.int64, torch.int32) or buffer.dim() != 3 or buffer.shape[0] == 0:
         return None
     if not ids.shape[0] == a.shape[0] == b.shape[0] > 0:
         return None
