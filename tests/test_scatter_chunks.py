@@ -143,6 +143,9 @@ def test_gathered_bmm_saves_the_weight_not_the_rows_and_gives_bmms_input_gradien
     assert sum(t.nbytes for t in saved if t is not w) == ids.nbytes  # the ids, besides the weight
     (got,) = torch.autograd.grad(y, x, dy)
     assert torch.equal(got, expected)
+    w.grad = None
+    _GatheredBmm.apply(rows, w, ids, other, weight_first).sum().backward()  # `other` needs no gradient
+    assert w.grad is None  # nor does the weight get one here: its gradient is the step's recipe
     y = _GatheredBmm.apply(rows, w, ids, x, weight_first)
     with torch.no_grad():
         w.add_(1)

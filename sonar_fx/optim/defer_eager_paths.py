@@ -195,6 +195,8 @@ class _GatheredBmm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         param, ids = ctx.saved_tensors
+        if not ctx.needs_input_grad[3]:  # `other` needs no gradient (a frozen block before the experts)
+            return None, None, None, None, None
         gathered = param.detach()[ids]
         # bmm's derivatives (derivatives.yaml): mat2 <- self^T.bmm(grad), self <- grad.bmm(mat2^T)
         if ctx.weight_first:
