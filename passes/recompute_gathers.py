@@ -15,6 +15,7 @@ Before (joint graph, one gather of an expert primal `w`):
 After: the same node, tagged `recompute=MUST_RECOMPUTE` (the min-cut partitioner then computes it in
 the backward graph from `w` and `ids`; the forward frees it after its bmm).
 
+Counted in `torch._dynamo.utils.counters["sonar"]["gathers_recomputed"]`.
 Never used by the in-backward schedule: there the weight moves during backward, and an update placed
 after the last reader of a weight would wait for the recomputed gather too.
 Pure FX over the joint graph: never runs a graph or imports training code.
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
+from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -48,4 +50,5 @@ def recompute_expert_gathers_pass(joint_gm: GraphModule, expert_inputs: Collecti
             ):
                 user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 tagged.append(user)
+                counters["sonar"]["gathers_recomputed"] += 1
     return tagged
