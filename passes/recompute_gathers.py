@@ -1,7 +1,7 @@
 """Gather an expert weight's rows again in backward rather than save the copy (deferred schedule).
 
 transformers' batched_mm reads its expert weights as gathered rows, `w[expert_ids]`: one expert's
-matrix per routed slot. The partition saves that copy for the input gradient (dx = dy^T w[ids]), so
+matrix per routed slot. The partition saves that copy for the input gradient (dx = w[ids]^T dy), so
 every layer's copies are alive when backward begins, several times the expert gradients the deferred
 schedule frees. Under the deferred schedule no expert weight moves before `step()`, so the backward
 can gather the same rows from the weight itself (saved as is: no memory) and the ids; the gather
@@ -16,8 +16,8 @@ After: the same node, tagged `recompute=MUST_RECOMPUTE` (the min-cut partitioner
 the backward graph from `w` and `ids`; the forward frees it after its bmm).
 
 Counted in `torch._dynamo.utils.counters["sonar"]["gathers_recomputed"]`.
-Never used by the in-backward schedule: there the weight moves during backward, and an update placed
-after the last reader of a weight would wait for the recomputed gather too.
+Not used by the in-backward schedule (untried there): its weights move during backward, so each update
+would have to wait for the recomputed gather as for any other reader of the weight.
 Pure FX over the joint graph: never runs a graph or imports training code.
 """
 
