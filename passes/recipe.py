@@ -18,12 +18,14 @@ import functools
 import json
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.fx import Node
+
+from sonar_fx.passes.scatter_chunks import ScatteredProduct, readers_of
 
 
 class NotRerunnable(ValueError):
@@ -92,6 +94,12 @@ class Program:
     """Where the result lies in the parameter's gradient, zero elsewhere (what autograd's view backwards
     pad with zeros): (dim, index), the slice `param.select(dim, index)`; or (size, stride, offset), the
     elements a view of the (contiguous) parameter reads. The sum adds it there (`region_of`)."""
+    scattered: ScatteredProduct | None = field(init=False, repr=False, compare=False)
+    """A bmm product the program scatters into its gradient (batched_mm), which `run` computes a few
+    experts at a time rather than whole (`sonar_fx.passes.scatter_chunks`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scattered", ScatteredProduct.find(self.steps))
 
     def to_json(self) -> str:
         data = {"steps": self.steps, "result": self.result, "into": self.into}
@@ -99,10 +107,21 @@ class Program:
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the ops in order, as the graph or autograd ran them)."""
+        scattered = self.scattered
         values: list[Any] = []
-        for name, args, kwargs in self.steps:
+        product: list[Any] = []
+        for i, (name, args, kwargs) in enumerate(self.steps):
             fn = operator.getitem if name == "getitem" else _op(name)
-            values.append(fn(*_decode(args, operands, values), **_decode(kwargs, operands, values)))
+            args, kwargs = _decode(args, operands, values), _decode(kwargs, operands, values)
+            if scattered is not None and i == scattered.product:
+                # Computed by the put, chunk by chunk. Its first operand stands in for it where the
+                # buffer's new_zeros reads it (for its dtype and device, which a bmm's operands share).
+                product = args
+                values.append(args[0])
+            elif scattered is not None and i == scattered.put:
+                values.append(scattered.run(fn, args, *product))
+            else:
+                values.append(fn(*args, **kwargs))
         return values[self.result]
 
 
@@ -194,29 +213,16 @@ def _in_place_on_fresh(
     """A functional `index_put` on a buffer the program itself just filled, and reads nowhere else,
     written in place (`index_put` is a clone then `index_put_`: the same values, one gradient-sized
     buffer fewer alive at the step)."""
-    readers: dict[int, int] = {}
-    for _, args, kwargs in program:
-        for j in _steps_read([args, kwargs]):
-            readers[j] = readers.get(j, 0) + 1
+    readers = readers_of(program)
     out = []
     for name, args, kwargs in program:
         first = args[0] if args else None
         source = first.get("step") if isinstance(first, dict) and len(first) == 1 else None
-        fresh = isinstance(source, int) and program[source][0] in _FRESH and readers.get(source) == 1
+        fresh = isinstance(source, int) and program[source][0] in _FRESH and len(readers[source]) == 1
         if name == "aten.index_put.default" and fresh:
             name = "aten.index_put_.default"
         out.append((name, args, kwargs))
     return out
-
-
-def _steps_read(value: Any) -> list[int]:
-    if isinstance(value, list):
-        return [j for v in value for j in _steps_read(v)]
-    if isinstance(value, dict):
-        if len(value) == 1 and isinstance(value.get("step"), int):
-            return [value["step"]]
-        return [j for v in value.values() for j in _steps_read(v)]
-    return []
 
 
 def _cone(grad: Node) -> set[Node]:

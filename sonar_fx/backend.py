@@ -49,6 +49,7 @@ from sonar_fx.passes import insert_updates
 from sonar_fx.passes.defer_grads import expert_defer_pass
 from sonar_fx.passes.find_expert_grads import returned_expert_grads
 from sonar_fx.passes.insert_updates import expert_update_pass
+from sonar_fx.passes.recompute_gathers import recompute_expert_gathers_pass
 from sonar_fx.passes.reduce_grads import GraphReduce
 from sonar_fx.passes.save_params import save_expert_params
 from sonar_fx.runtime import registry
@@ -102,8 +103,10 @@ class SonarPartitioner(CustomPartitionerFn):
 
     def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
         self.ran = True
-        fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         primals = joint_inputs[0] if joint_inputs else None
+        if self.bw_pass is expert_defer_pass and isinstance(primals, (list, tuple)):
+            recompute_expert_gathers_pass(gm, self.expert_inputs)  # no weight moves before step()
+        fw_gm, bw_gm = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         fw_inputs = fw_gm.graph.find_nodes(op="placeholder")
         if not isinstance(primals, (list, tuple)) or len(fw_inputs) != len(primals):
             # A nested subgraph: its inputs are not the dynamo graph's, so the input map does not apply.

@@ -81,6 +81,9 @@ class SavingPath:
     buffer and its copy are both alive for a moment inside the graph."""
     saves: bool = True
     """Whether the path keeps the saving (False: it loses more than half, and says why)."""
+    operands_prediction: bool = False
+    """Also held to the deferred schedule's own prediction: every expert gradient but the one tensor
+    the step holds, less the kept operands (`PathResult.operands_prediction`)."""
 
 
 PATHS = {
@@ -97,6 +100,12 @@ PATHS = {
     "batched_mm_aot_eager": SavingPath(compiler="aot_eager", experts="batched_mm", scratch=1, saves=False),
     "deferred_batched_mm_aot_eager": SavingPath(
         compiler="aot_eager", schedule="deferred", experts="batched_mm", accum=2
+    ),
+    # batched_mm's gathered rows: the deferred schedule gathers them again in backward (no saved copy)
+    # and its step scatters the product a few experts at a time (tests/test_scatter_chunks.py).
+    "deferred_batched_mm": SavingPath(schedule="deferred", experts="batched_mm", operands_prediction=True),
+    "deferred_batched_mm_aot_eager_accum1": SavingPath(
+        compiler="aot_eager", schedule="deferred", experts="batched_mm", operands_prediction=True
     ),
 }
 
@@ -121,6 +130,13 @@ class PathResult:
     @property
     def saved(self) -> int:
         return self.plain_torch_peak - self.peak
+
+    @property
+    def operands_prediction(self) -> int:
+        """The deferred schedule's prediction: all expert gradients but the largest, less the operands."""
+        deferred = self.report["deferred"] or {}
+        kept = deferred.get("kept_operand_peak", 0)
+        return self.report["expert_grad_bytes"]["all_layers"] - self.largest - kept
 
 
 def qwen(experts: str | None) -> nn.Module:

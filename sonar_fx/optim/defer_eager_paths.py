@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from sonar_fx.passes.recipe import Program, Recipe
@@ -163,11 +164,41 @@ def capture_gathered_bmm(func: Callable[..., Any], args: Any, kwargs: dict[str, 
         if len(indices) != 1 or not isinstance(indices[0], Tensor):
             return None  # a gather over several dims: left to autograd
         other = b if weight_first else a
-        y = func(a.detach(), b) if weight_first else func(a, b.detach())
+        # Not `func` on the gathered copy: bmm would save it (an expert matrix per routed slot, every
+        # layer's alive when backward begins) where the weight, which stays put until `step()`, and
+        # the ids give it again for the input gradient.
+        y = _GatheredBmm.apply(w.detach(), param, indices[0], other, weight_first)
         recipe = _gather_program(tuple(param.shape), weight_first).to_json()
         operands = _dy_other_ids if weight_first else _other_dy_ids
         return Capture(y, param, (other.detach(), indices[0]), Keep(recipe, operands))
     return None
+
+
+class _GatheredBmm(torch.autograd.Function):
+    """`bmm(W[ids], other)` (or `bmm(other, W[ids])`) on the detached gathered copy, saving the weight
+    and the ids instead of the copy: backward gathers it again for `other`'s gradient, the same
+    values in the same layout (one gather, as the forward's), so bmm's derivative gives the same bits.
+    The weight is saved as itself (no memory): an in-place change before backward is refused by
+    autograd's version check, never read stale."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, gathered: Tensor, param: Tensor, ids: Tensor, other: Tensor, weight_first: bool
+    ) -> Tensor:
+        ctx.save_for_backward(param, ids)
+        ctx.weight_first = weight_first
+        return torch.bmm(gathered, other) if weight_first else torch.bmm(other, gathered)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        param, ids = ctx.saved_tensors
+        if not ctx.needs_input_grad[3]:  # `other` needs no gradient (a frozen block before the experts)
+            return None, None, None, None, None
+        gathered = param.detach()[ids]
+        # bmm's derivatives (derivatives.yaml): mat2 <- self^T.bmm(grad), self <- grad.bmm(mat2^T)
+        if ctx.weight_first:
+            return None, None, None, gathered.transpose(1, 2).bmm(dy), None
+        return None, None, None, dy.bmm(gathered.transpose(1, 2)), None
 
 
 def _bmm_program(weight_first: bool) -> Program:
