@@ -10,10 +10,11 @@ STAMP := $(VENV)/.sonar-fx-installed
 
 # Every install takes its versions from constraints.txt (the set `make test` last passed with), so a
 # library released yesterday cannot turn a fresh clone red; `make test-latest` is how a pin moves.
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt requirements-torchtitan.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -93,8 +93,8 @@ PATHS = {
     "deferred_loop": SavingPath(schedule="deferred", experts="eager"),
     # No deferred path left that saves nothing by its experts implementation: eager batched_mm (the
     # example once) keeps operands now. A gradient kept whole is tests/test_saving_guard.py's (a penalty
-    # on the weight); the one compiled exception, transformers' eager loop under compile, is named in
-    # tests/test_deferred_paths.py (it warns twice, kept whole and trained uncompiled: not one cause).
+    # on the weight); transformers' eager loop under compile keeps operands too (the eager capture runs
+    # where dynamo runs the loop: tests/test_deferred_compiled_loop.py).
     "deferred_user_compile": SavingPath(schedule="deferred", user_backend="aot_eager", saves=False),
     "batched_mm_hooks": SavingPath(experts="batched_mm", saves=False),
     "batched_mm_aot_eager": SavingPath(compiler="aot_eager", experts="batched_mm", scratch=1, saves=False),

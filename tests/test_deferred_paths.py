@@ -1,13 +1,12 @@
 """The deferred schedule keeps operands, not gradients, on every expert path: transformers' batched_mm
 (gathered rows `W[ids]`, then bmm) and eager loop (`linear(x, W[e])` per expert), and the reference
 model's kernel (`sonar_fx::grouped_mm`), eager and compiled (transformers' grouped_mm: tests/
-test_deferred.py). Each path against its own standard run in plain torch (`Twin`: fused AdamW, the clip
-over every parameter, 4 micro-batches per step), `torch.equal` on every parameter; and each keeps, at
-its peak, operands plus one gradient below the whole gradients. The zoo's families (tests/families.py)
-keep no gradient whole but the one exception named here with why: the eager loop under torch.compile.
-In eager no family keeps a gradient whole: the per-expert forms (loops over slices of other forms,
-rows of per-expert vectors, embedding gathers) are tests/test_deferred_forms.py's, with the tensors
-that cross over by the rule named there.
+test_deferred.py; the eager loop under compile: tests/test_deferred_compiled_loop.py). Each path against
+its own standard run in plain torch (`Twin`: fused AdamW, the clip over every parameter, 4 micro-batches
+per step), `torch.equal` on every parameter; and each keeps, at its peak, operands plus one gradient below
+the whole gradients. The zoo's families (tests/families.py) keep no gradient whole, eager or compiled:
+the per-expert forms (loops over slices of other forms, rows of per-expert vectors, embedding gathers)
+are tests/test_deferred_forms.py's, with the tensors that cross over by the rule named there.
 """
 
 from __future__ import annotations
@@ -165,24 +164,6 @@ def assert_batched_mm_keeps_a_program(opt) -> None:
         assert "aten.bmm.default" in ops and "aten.index_put_.default" in ops, ops  # in place: no copy
         kept = [t for t in entry.operands if isinstance(t, torch.Tensor)]
         assert kept and all(t.numel() < smallest_expert for t in kept), [t.shape for t in kept]
-
-
-@pytest.mark.slow  # dynamo recompiles the loop's frame for each expert's shapes: about a minute
-@pytest.mark.usefixtures("deferred_saving_lost")
-def test_the_one_exception_the_eager_loop_under_compile_is_kept_whole_and_exact():
-    """transformers' eager loop under torch.compile: dynamo breaks the graph at the loop's
-    `nonzero()` (a data-dependent shape), and the loop then runs outside any graph (no pass sees its
-    GEMMs) and outside the eager capture (the experts' pre-hook was traced by dynamo, so the capture
-    mode was never entered). Its gradients arrive whole: exact, said, and no saving."""
-    model, opt, twin_model, twin = pair("loop", "aot_eager", torch.float32)
-    with pytest.warns(UserWarning, match="no compiled graph computed an expert gradient"):
-        for b in batches(2):
-            model(**b).loss.backward()
-            twin.run(**b).loss.backward()
-        opt.step()
-        twin.step()
-    assert_same_weights(model, twin_model)
-    assert len(opt.report()["deferred"]["kept_whole"]) == 2  # the one layer's two tensors
 
 
 # --- the zoo (tests/families.py): every expert tensor deferred, eager, against its twin -------------

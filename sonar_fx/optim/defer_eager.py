@@ -9,6 +9,13 @@ the GEMM receives dy when backward reaches it and hands the operands of autograd
 to the owner, with the recipe that computes it again.
 Any other use of an expert weight is left to autograd: its gradient arrives whole in `.grad` and the
 deferred step says it kept it. Never active under dynamo: compiled graphs get the graph pass instead.
+
+Inside a compiled model, an experts module whose call dynamo leaves eager (a graph break it cannot resume
+from, such as transformers' per-expert loop: `nonzero()`, then a branch on a tensor inside the loop) runs
+its hooks as frames of their own; dynamo would compile them, and a compiled hook sees `is_compiling()` and
+enters nothing. So dynamo skips the hooks' and the mode's own frames (`_eager_only`): the capture then
+applies to whatever of that forward runs eagerly (the loop's GEMMs), while a frame dynamo compiles inside
+it (the activation) sees a mode that passes every call through, and the graph pass defers there.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._dynamo.eval_frame import skip_code
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.hooks import RemovableHandle
 
@@ -53,15 +61,22 @@ class DeferGemms(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         capture = _CAPTURES.get(func)
-        if capture is not None and torch.is_grad_enabled() and len(args) >= 2:
-            found = capture(func, args, kwargs)
-            if found is not None:
-                # `param` is an input of the keeper: its output needs a gradient (so dy comes) even where
-                # nothing upstream does (a frozen layer before the experts), and its node has the edge to
-                # `param` by which the engine says whether this backward accumulates into it (`inputs=`,
-                # `autograd.grad`).
-                return _KeepOperands.apply(found.output, found.param, found.keep, *found.saved)
+        if capture is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() or len(args) < 2:
+            return func(*args, **kwargs)  # (a frame dynamo compiles under the mode: the graph pass defers)
+        return _capture_or_call(capture, func, args, kwargs)
+
+
+@torch.compiler.disable  # eager only: in a compiled model's eager region dynamo would trace the keeper
+def _capture_or_call(
+    capture: Callable[..., paths.Capture | None], func: Callable[..., Any], args: Any, kwargs: dict[str, Any]
+) -> Any:
+    found = capture(func, args, kwargs)
+    if found is None:
         return func(*args, **kwargs)
+    # `param` is an input of the keeper: its output needs a gradient (so dy comes) even where nothing
+    # upstream does (a frozen layer before the experts), and its node has the edge to `param` by which the
+    # engine says whether this backward accumulates into it (`inputs=`, `autograd.grad`).
+    return _KeepOperands.apply(found.output, found.param, found.keep, *found.saved)
 
 
 class _KeepOperands(torch.autograd.Function):
@@ -123,6 +138,18 @@ def register_defer_hooks(modules: Iterable[nn.Module]) -> list[RemovableHandle]:
                 if mode is not None:
                     mode.__exit__(None, None, None)
 
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave, always_call=True))
+        handles.append(module.register_forward_pre_hook(_eager_only(enter)))
+        handles.append(module.register_forward_hook(_eager_only(leave), always_call=True))
     return handles
+
+
+def _eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, whose frame dynamo never compiles on its own (it runs eagerly where a compiled model's
+    experts call is left eager) yet still inlines where it traces the call (a hook that graph-breaks would
+    split every compiled experts module). `skip_code` is dynamo's own: what it does for the frames it
+    creates to resume after a graph break; torch has no public form of it."""
+    skip_code(fn.__code__)
+    return fn
+
+
+_eager_only(DeferGemms.__torch_function__)  # called for every torch call of an eager region
