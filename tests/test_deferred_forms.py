@@ -5,7 +5,8 @@ parameter, with no expert gradient arriving whole. Where a step's kept operands 
 they are for (a bias's rows: one per routed slot; an embedding's: one per token and pick), the store
 crosses it over by its rule (computes it in backward and holds it, as standard training does): those
 are named here with why (`CROSSES_OVER`); one micro-batch of a model with more experts keeps operands
-below the gradients on every form.
+below the gradients on every form. Kept operands count the storages they keep alive, each once (an
+eager loop's slices are views of a few buffers): `test_the_store_counts_each_storage_once`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from torch import nn
 import sonar_fx
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.models.families import build_family
+from sonar_fx.optim.deferred import DeferredGrads
+from sonar_fx.passes.recipe import Recipe
+from sonar_fx.runtime.meter import ExpertGradMeter
 
 from families import batches, explicit_experts
 from helpers import assert_same_weights, known_library_failure
@@ -41,11 +45,6 @@ CROSSES_OVER = {
     ),
     ("gpt_oss", "batched_mm"): ("_bias", "the same rows as under grouped_mm"),
     ("doge", None): ("_embed", "an embedding's rows' gradient is one row per token and pick (64) against 8"),
-    ("jetmoe", None): (
-        "_linear",
-        "its loop reads split() views of one buffer and gets cat()'s gradient as views of another: the "
-        "store counts each view's whole storage, once per expert, and crosses over on that count",
-    ),
 }
 """The tiny families' tensors that cross over at their first micro-batch (a name fragment of each, and
 why); the other forms keep operands (`test_each_form_keeps_operands_below_its_gradient`)."""
@@ -55,6 +54,9 @@ WIDE = {
     ("aria_text", "eager"): {"moe_num_experts": 16},
     ("dbrx", None): {"ffn_config": {"moe_num_experts": 16, "moe_top_k": 1, "ffn_hidden_size": 64}},
     ("doge", None): {"num_experts": 256},
+    # Its loop's operands are views of one buffer per GEMM side (split() inputs, cat()'s gradient):
+    # counted once, 64 routed slots x (in + out) stay below each tensor as the tiny config has it.
+    ("jetmoe", None): {},
 }
 """Config overrides with more experts than one micro-batch's routed slots (below every crossover)."""
 ACCUM, STEPS = 4, 2
@@ -205,3 +207,53 @@ def test_each_forms_recipe_is_autograds_gradient(dtype):
     # Negative control: the ids repeat, so a put that overwrites instead of accumulating is other values
     overwritten = torch.zeros_like(model.table_Ed).index_put_((ids_T,), x_Td)
     assert not torch.equal(overwritten, grads["table_Ed"])
+
+
+MM_RECIPE = Recipe("aten.mm.default", [{"operand": 0}, {"operand": 1}], {}, None, []).to_json()
+"""`dy^T.mm(x)`: a slice GEMM's weight gradient over its kept (dy^T, x)."""
+
+
+def _keep_slices(store: DeferredGrads, w_fd: torch.Tensor, name: str, sides: list[torch.Tensor]):
+    """Three slice GEMMs' operands for `w_fd` kept, each its own backward's: (dy^T, x) of two rows of
+    `sides` = [dy_1, x_1, dy_2, x_2, ...] (one pair for all three, or a pair each). Returns the bytes the
+    store kept after each, and plain torch's gradient: the three summed in order."""
+    live, grads = [], []
+    for i, rows in enumerate((slice(0, 2), slice(2, 4), slice(4, 6))):
+        pair = 2 * i % len(sides)
+        dy_tf, x_td = sides[pair][rows], sides[pair + 1][rows]
+        store.add(w_fd, name, MM_RECIPE, [dy_tf.t(), x_td])
+        live.append(store.live_bytes)
+        grads.append(dy_tf.t().mm(x_td))
+    return live, grads[0] + grads[1] + grads[2]
+
+
+def test_the_store_counts_each_storage_once():
+    """Kept operands cost the storages they keep alive, each once: an eager loop's slices of one buffer
+    (jetmoe's split() inputs, cat()'s gradient) count that buffer once for the tensor's crossover rule
+    and once in the store's live bytes, across expert tensors too; separate storages count each. The
+    gradient the step computes is plain torch's either way."""
+    g = torch.Generator().manual_seed(0)
+    w_fd, v_fd = torch.zeros(16, 16), torch.zeros(16, 16)  # 1,024 bytes each
+    one_pair = [torch.randn(6, 16, generator=g) for _ in range(2)]  # dy, x: 384 bytes each
+    store = DeferredGrads(meter=ExpertGradMeter())
+    live, w_expected = _keep_slices(store, w_fd, "w", one_pair)
+    # Six views of two storages: 768 bytes throughout (counted per view: 2,304, beyond w's 1,024).
+    assert live == [768, 768, 768] and store.crossed == {} and len(store.entries()) == 3
+    live, v_expected = _keep_slices(store, v_fd, "v", one_pair)
+    assert live == [768, 768, 768] and store.crossed == {}  # once across tensors too
+    assert torch.equal(store.gradient(w_fd, consume=True), w_expected)
+    assert store.live_bytes == 768  # v still keeps both storages
+    assert torch.equal(store.gradient(v_fd, consume=False), v_expected)
+    store.discard(v_fd)  # the keep budget's drop
+    assert store.live_bytes == 0 and store.peak_bytes == 768
+
+    # Negative control: the same views, each contribution's in storages of its own (768 bytes each)
+    # outgrow w at the second: it crosses over, held as a gradient (one per backward until the step
+    # sums them: these three are each their own), counted by the store and the meter alike.
+    store = DeferredGrads(meter=ExpertGradMeter())
+    separate = [torch.randn(6, 16, generator=g) for _ in range(6)]
+    live, w_expected = _keep_slices(store, w_fd, "w", separate)
+    assert live == [768, 1024, 2048] and store.crossed == {"w": 2 * 768} and store.crossed_over(w_fd)
+    assert store.peak_bytes == 2048 and store.meter is not None and store.meter.live == 2048
+    assert torch.equal(store.gradient(w_fd, consume=True), w_expected)
+    assert store.live_bytes == 0 and store.meter.live == 0

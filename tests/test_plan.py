@@ -222,7 +222,7 @@ def test_deferred_crossover_of_olmoe_is_the_operand_arithmetic():
     cross = crossover(layers, top_k_of(source.config), seq=256, grad_accum=1)
     assert cross.top_k == 8 and cross.layer_grad_bytes == 805_306_368
     assert cross.layer_operand_bytes_per_token == 8 * (2048 + 2 * 1024 + 1024 + 2048) * 2
-    assert cross.operand_bytes(1, 2) == 4096 * 7168 * 2 + 2 * 64 * 4  # 58.7 MB, offsets included
+    assert cross.operand_bytes(1, 2) == 4096 * 7168 * 2 + 64 * 4  # 58.7 MB, the offsets (shared) once
     assert 27 < cross.layer_batch < 28  # 7,022 tokens
     assert {t.name: t.batch for t in cross.tensors} == {"gate_up_proj": 32, "down_proj": 22}
     # Accumulation keeps every micro-batch's operands: 4 micro-batches cross 4 times sooner.

@@ -37,10 +37,11 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from sonar_fx.errors import SonarUsageError
+from sonar_fx.optim.kept_storages import StorageId, StorageLedger, storages_of
 from sonar_fx.passes.recipe import Into, Program, load_recipe, region_of
 from sonar_fx.runtime.engine import accumulate_grad_node, gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
-from sonar_fx.runtime.registry import same_storage, storage_key
+from sonar_fx.runtime.registry import same_storage
 
 NO_TASK = -1  # what autograd reports outside any backward
 
@@ -59,7 +60,8 @@ class _WeightView:
 class _Kept:
     recipe: str
     operands: list[Tensor | _WeightView]
-    nbytes: int
+    storages: dict[StorageId, int]
+    """The storages its kept operands live in, each once (`kept_storages.storages_of`)."""
 
     def into(self) -> Into | None:
         """Where in the parameter this contribution lies alone (`Program.into`), or None: everywhere."""
@@ -100,8 +102,16 @@ class _Pending:
         and so never ended counts as ended now)."""
         return self.closed + [self.open[task] for task in sorted(self.open)]
 
-    def nbytes(self) -> int:
-        return sum(_entry_bytes(e) for group in self.groups() for e in group)
+    def storages(self, *, operands_only: bool = False) -> dict[StorageId, int]:
+        """The storages its contributions keep alive, each once however many of them view it (an eager
+        loop's operands are views of a few buffers); `operands_only`: its kept operands' alone."""
+        found: dict[StorageId, int] = {}
+        for entry in (e for g in self.groups() for e in g):
+            if isinstance(entry, _Kept):
+                found.update(entry.storages)
+            elif not operands_only:
+                found.update(storages_of([entry]))
+        return found
 
     def fold_closed(self) -> bool:
         """The ended backwards' sums accumulated into one gradient (the same additions, in order).
@@ -144,10 +154,6 @@ def _after_first(call: Callable[[], None] | None) -> Callable[[], None]:
             call()
 
     return each
-
-
-def _entry_bytes(entry: Entry) -> int:
-    return entry.nbytes if isinstance(entry, _Kept) else entry.untyped_storage().nbytes()
 
 
 def _sum(
@@ -200,9 +206,6 @@ class DeferredGrads:
     kept: dict[int, _Pending] = field(default_factory=dict)
     meter: ExpertGradMeter | None = None
     """Counts every gradient-sized tensor held here, alive from backward to `step()` (`_count`)."""
-    live_bytes: int = 0
-    """Bytes kept now (storage bytes: a kept view keeps its whole storage): operands, and the gradients
-    kept whole (arrived whole, or crossed over), which standard training would hold in `.grad`."""
     peak_bytes: int = 0
     """The most kept at once since the last `end_step`."""
     last_peak_bytes: int | None = None
@@ -215,6 +218,14 @@ class DeferredGrads:
     (`deferred_pipeline`), in this run."""
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
     _hooks: dict[int, list[RemovableHandle]] = field(default_factory=dict)  # task -> AccumulateGrad hooks
+    _ledger: StorageLedger = field(default_factory=StorageLedger)  # what `live_bytes` counts
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes kept now: the storages of the kept operands and of the gradients kept whole (arrived
+        whole, or crossed over: standard training would hold them in `.grad`), each storage once however
+        many kept tensors view it (a kept view keeps its whole storage alive)."""
+        return self._ledger.live_bytes
 
     def add(
         self, param: Tensor, name: str, recipe: str, operands: list[Tensor], *, reached: Tensor | None = None
@@ -222,9 +233,8 @@ class DeferredGrads:
         """One weight-gradient GEMM's operands for `param`, from the backward running now. `reached`:
         the tensor autograd accumulates into for `param`, where that is another (FSDP2's unsharded one)."""
         kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
-        own = [t for t in kept if isinstance(t, Tensor)]
-        nbytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in own}.values())
-        self._contribute(param, name, _Kept(recipe, kept, nbytes), param if reached is None else reached)
+        storages = storages_of(t for t in kept if isinstance(t, Tensor))
+        self._contribute(param, name, _Kept(recipe, kept, storages), param if reached is None else reached)
 
     def add_whole(self, param: Tensor, name: str) -> None:
         """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
@@ -241,7 +251,6 @@ class DeferredGrads:
         """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
         pending = self.kept.setdefault(id(param), _Pending(param))
         pending.closed.insert(0, [grad])
-        self._grow(_entry_bytes(grad))
         self._count(pending)
 
     def _contribute(self, param: Tensor, name: str, entry: Entry, reached: Tensor | None) -> None:
@@ -252,10 +261,11 @@ class DeferredGrads:
             pending = self.kept[id(param)] = _Pending(param)
         task = torch._C._current_graph_task_id()
         self._group(pending, task, reached).append(entry)
-        self._grow(_entry_bytes(entry))
-        # The crossover is the operands outgrowing the gradient; whole gradients are summed as their
-        # backward's sum is complete (`_settle`) and never cross over by themselves.
-        operands = sum(e.nbytes for g in pending.groups() for e in g if isinstance(e, _Kept))
+        self._count(pending)
+        # The crossover is the operands outgrowing the gradient (each storage they live in counted
+        # once); whole gradients are summed as their backward's sum is complete (`_settle`) and never
+        # cross over by themselves.
+        operands = sum(pending.storages(operands_only=True).values())
         if not pending.folded and operands > param.numel() * param.element_size():
             pending.folded = True
             self.crossed[name] = operands
@@ -308,16 +318,16 @@ class DeferredGrads:
     def _fold(self, pending: _Pending) -> None:
         """`pending`'s ended backwards accumulated into one gradient, counted: what it holds, and the
         piece that lived beside the running total for a moment (the new sum, before its add)."""
-        before = pending.nbytes()
         beside = pending.fold_closed()
-        self._grow(pending.nbytes() - before)
         self._count(pending)
         if beside and self.meter is not None:
             alive_for_a_moment(self.meter, pending.param.numel() * pending.param.element_size())
 
     def _count(self, pending: _Pending) -> None:
-        """The meter's count of `pending`'s held gradient-sized tensors made what it holds now: those
-        dropped (summed into another) freed first, then those new."""
+        """The bytes kept (`live_bytes`) and the meter's count of `pending`'s held gradient-sized tensors
+        made what it holds now: those dropped (summed into another) freed first, then those new."""
+        self._ledger.hold(id(pending.param), pending.storages())
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.meter is None:
             return
         now = {id(e): e for g in pending.groups() for e in g if isinstance(e, Tensor)}
@@ -329,14 +339,11 @@ class DeferredGrads:
                 self.meter.appeared(t, t.numel() * t.element_size())
 
     def _uncount(self, pending: _Pending) -> None:
+        self._ledger.hold(id(pending.param), {})
         if self.meter is not None:
             for t in pending.metered.values():
                 self.meter.freed(t)
         pending.metered.clear()
-
-    def _grow(self, nbytes: int) -> None:
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _close(self, task: int) -> None:
         """Autograd ended graph task `task` (nested ones too: reentrant checkpointing accumulates each
@@ -397,7 +404,6 @@ class DeferredGrads:
         if consume:
             param.grad = None
             if pending is not None:
-                self.live_bytes -= pending.nbytes()
                 self._uncount(pending)  # the caller counts the gradient it gets (`deferred_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
@@ -408,7 +414,6 @@ class DeferredGrads:
         (`keep_budget.KeptGradients`)."""
         pending = self.kept.pop(id(param), None)
         if pending is not None:
-            self.live_bytes -= pending.nbytes()
             self._uncount(pending)
 
     def clear(self) -> None:
@@ -416,7 +421,7 @@ class DeferredGrads:
         for pending in self.kept.values():
             self._uncount(pending)
         self.kept.clear()
-        self.live_bytes = 0
+        self._ledger.clear()
 
     def end_step(self) -> None:
         self.last_peak_bytes, self.peak_bytes = self.peak_bytes, self.live_bytes

@@ -94,12 +94,14 @@ class Crossover:
     tensors: list[ExpertCrossover]
     """That layer's tensors, each with the batch from which `DeferredGrads` crosses it over."""
     offset_bytes: int
-    """Bytes of one backward's group offsets, per tensor."""
+    """Bytes of one backward's group offsets: one tensor, read by each of the layer's GEMMs."""
 
     def operand_bytes(self, layers: int, batch: int) -> int:
-        """Bytes `layers` layers like this one keep at `batch` (offsets included), below every crossover."""
+        """Bytes `layers` layers like this one keep at `batch` (offsets included), below every crossover.
+        The layer's tensors keep one offsets tensor per backward, which `DeferredGrads` counts once
+        (`kept_storages`); each tensor's own crossover counts it for that tensor (`ExpertCrossover`)."""
         per_micro_batch = self.layer_operand_bytes_per_token * batch * self.seq
-        return layers * self.grad_accum * (per_micro_batch + len(self.tensors) * self.offset_bytes)
+        return layers * self.grad_accum * (per_micro_batch + self.offset_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {
