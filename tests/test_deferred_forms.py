@@ -248,12 +248,13 @@ def test_the_store_counts_each_storage_once():
     assert store.live_bytes == 0 and store.peak_bytes == 768
 
     # Negative control: the same views, each contribution's in storages of its own (768 bytes each)
-    # outgrow w at the second: it crosses over, held as a gradient (one per backward until the step
-    # sums them: these three are each their own), counted by the store and the meter alike.
+    # outgrow w at the second: it crosses over, held as one gradient (a later contribution outside any
+    # backward is added into it at once; its operands lived beside it for a moment: the peak), counted
+    # by the store and the meter alike.
     store = DeferredGrads(meter=ExpertGradMeter())
     separate = [torch.randn(6, 16, generator=g) for _ in range(6)]
     live, w_expected = _keep_slices(store, w_fd, "w", separate)
-    assert live == [768, 1024, 2048] and store.crossed == {"w": 2 * 768} and store.crossed_over(w_fd)
-    assert store.peak_bytes == 2048 and store.meter is not None and store.meter.live == 2048
+    assert live == [768, 1024, 1024] and store.crossed == {"w": 2 * 768} and store.crossed_over(w_fd)
+    assert store.peak_bytes == 1024 + 768 and store.meter is not None and store.meter.live == 1024
     assert torch.equal(store.gradient(w_fd, consume=True), w_expected)
     assert store.live_bytes == 0 and store.meter.live == 0
