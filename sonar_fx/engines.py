@@ -252,6 +252,7 @@ class ExpertParallelEngine(_Distributed):
     ) -> nn.Module:
         import sonar_fx.distributed as sd
 
+        self.check_split(model, experts)
         return sd.expert_parallel(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
@@ -259,11 +260,21 @@ class ExpertParallelEngine(_Distributed):
 
         import sonar_fx.distributed as sd
 
+        self.check_split(model, None)
         sd.shard_experts_(model)
         names = ExpertSet.discover(model).names
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
         _compile_blocks(model, compiler)
         return DistributedDataParallel(model)
+
+    def check_split(self, model: nn.Module, experts: Experts) -> None:
+        """Refuse, before anything is laid out, a model with a layer whose experts the world size does
+        not divide (`ConfigFieldError` on "parallel", naming the layer, its experts and the fix)."""
+        from sonar_fx.distributed.expert_parallel import uneven_split
+
+        problem = uneven_split(model, torch.distributed.get_world_size(), experts)
+        if problem is not None:
+            raise ConfigFieldError(problem, field="parallel")
 
     def expert_grad_scale(self) -> float:
         return 1.0 / torch.distributed.get_world_size()
