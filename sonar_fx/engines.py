@@ -39,6 +39,7 @@ from torch import nn
 from sonar_fx import api
 from sonar_fx.config import ConfigFieldError, OptimizerConfig
 from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.log_filters import quiet_norm_over_mesh_dims
 from sonar_fx.optim.optimizer import Granularity, Schedule, SonarOptimizer
 
 Run = Callable[..., Any]
@@ -361,7 +362,8 @@ class FSDP2EPEngine(_Distributed):
         dense = [p.grad for p in params if id(p) not in experts and p.grad is not None]
         mesh = own[0].device_mesh._get_root_mesh()  # the (dp, ep) mesh FSDP2's "dp" mesh was cut from
         as_2d = [DTensor.from_local(g.to_local(), mesh, [Shard(0), Shard(0)]) for g in own]
-        ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
+        with quiet_norm_over_mesh_dims():  # DTensor's note on its two all-reduces (harmless: see there)
+            ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
         dense_norm = cast(DTensor, torch.nn.utils.get_total_norm(dense)).full_tensor()
         total = ep_norm**2 + dense_norm**2
         total **= 1.0 / 2

@@ -290,3 +290,55 @@ def test_ep_engine_refuses_experts_the_world_cannot_split_naming_the_layer(a_wor
     assert "layers.0.mlp.experts holds 3 experts" in str(caught.value) and "over 2 ranks" in str(caught.value)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert getattr(model, "sonar", None) is None
+
+
+@pytest.fixture
+def redistribute_notes(monkeypatch):
+    """The records DTensor's redistribution logger lets through (after its filters), with its
+    once-per-mesh memory emptied so that every norm below may note again."""
+    import logging
+
+    from torch.distributed.tensor import _redistribute
+
+    monkeypatch.setattr(_redistribute, "_warned_flatten_issues", set())
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(_redistribute.__name__)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_fsdp2_ep_clip_norm_is_torchtitans_without_dtensors_sequential_all_reduce_note(
+    one_rank, redistribute_notes
+):
+    """The baselines' clip over every parameter on FSDP2 x EP: bitwise torchtitan's norm written here
+    (which, unfiltered, logs DTensor's "2 sequential all_reduce operations" note: the control), and the
+    engine's own call logs nothing."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, _redistribute
+
+    from sonar_fx.engines import FSDP2EPEngine
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    every_rank = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    torch.manual_seed(0)
+    params = []
+    for i, sub in enumerate([mesh["dp"], every_rank, mesh["dp"]]):  # expert, dense, expert
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), sub, [Shard(0)]))
+        p.grad = DTensor.from_local(torch.randn(4, 3) * (i + 1), sub, [Shard(0)])
+        params.append(p)
+    experts = {id(params[0]), id(params[2])}
+    as_2d = [DTensor.from_local(params[i].grad.to_local(), mesh, [Shard(0), Shard(0)]) for i in (0, 2)]
+    ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
+    dense_norm = torch.nn.utils.get_total_norm([params[1].grad]).full_tensor()
+    expected = ep_norm**2 + dense_norm**2
+    expected **= 1.0 / 2
+    assert any("2 sequential all_reduce operations" in note for note in redistribute_notes)
+    redistribute_notes.clear()
+    _redistribute._warned_flatten_issues.clear()  # the engine's norm would note again, were it not quiet
+    got = FSDP2EPEngine().total_norm(params, experts)
+    assert torch.equal(got, expected) and redistribute_notes == []
