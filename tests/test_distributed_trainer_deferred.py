@@ -1,7 +1,8 @@
 """Where users start the deferred schedule on an engine: `torchrun -m sonar_fx finetune --parallel
 ddp|ep|fsdp2|fsdp2_ep --grad-accum N --clip-scope all`, and SonarTrainer under torchrun (the Trainer's own
 DDP); what a rule refuses is refused by the one rule, `sonar_fx.api.distributed_gap`, before anything
-trains; a mesh `--ep-size` cannot lay out is refused naming the flag.
+trains; a mesh `--ep-size` cannot lay out is refused naming the flag, and experts the world cannot
+split on `--parallel ep` naming `--parallel` (exit 2, not a traceback).
 
 Each exactness claim is `torch.equal` on every parameter against the plain engine with the same recipe
 (gradients synced at the last micro-batch only), with a negative control that must differ."""
