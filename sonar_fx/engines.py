@@ -39,6 +39,7 @@ from torch import nn
 from sonar_fx import api
 from sonar_fx.config import ConfigFieldError, OptimizerConfig
 from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.log_filters import quiet_norm_over_mesh_dims
 from sonar_fx.optim.optimizer import Granularity, Schedule, SonarOptimizer
 
 Run = Callable[..., Any]
@@ -252,6 +253,7 @@ class ExpertParallelEngine(_Distributed):
     ) -> nn.Module:
         import sonar_fx.distributed as sd
 
+        self.check_split(model, experts)
         return sd.expert_parallel(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
@@ -259,11 +261,21 @@ class ExpertParallelEngine(_Distributed):
 
         import sonar_fx.distributed as sd
 
+        self.check_split(model, None)
         sd.shard_experts_(model)
         names = ExpertSet.discover(model).names
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
         _compile_blocks(model, compiler)
         return DistributedDataParallel(model)
+
+    def check_split(self, model: nn.Module, experts: Experts) -> None:
+        """Refuse, before anything is laid out, a model with a layer whose experts the world size does
+        not divide (`ConfigFieldError` on "parallel", naming the layer, its experts and the fix)."""
+        from sonar_fx.distributed.expert_parallel import uneven_split
+
+        problem = uneven_split(model, torch.distributed.get_world_size(), experts)
+        if problem is not None:
+            raise ConfigFieldError(problem, field="parallel")
 
     def expert_grad_scale(self) -> float:
         return 1.0 / torch.distributed.get_world_size()
@@ -350,7 +362,8 @@ class FSDP2EPEngine(_Distributed):
         dense = [p.grad for p in params if id(p) not in experts and p.grad is not None]
         mesh = own[0].device_mesh._get_root_mesh()  # the (dp, ep) mesh FSDP2's "dp" mesh was cut from
         as_2d = [DTensor.from_local(g.to_local(), mesh, [Shard(0), Shard(0)]) for g in own]
-        ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
+        with quiet_norm_over_mesh_dims():  # DTensor's note on its two all-reduces (harmless: see there)
+            ep_norm = cast(DTensor, torch.nn.utils.get_total_norm(as_2d)).full_tensor()
         dense_norm = cast(DTensor, torch.nn.utils.get_total_norm(dense)).full_tensor()
         total = ep_norm**2 + dense_norm**2
         total **= 1.0 / 2

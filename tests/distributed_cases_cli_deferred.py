@@ -72,13 +72,18 @@ def cli_accumulation_is_exact(rank: int) -> dict[str, Any]:
 
 
 def uneven_experts_refused(rank: int) -> dict[str, Any]:
-    """--parallel fsdp2_ep on its default 1 x 2 mesh with 3 experts per layer: refused as the model is
-    laid out, before any step: exit 2 naming --ep-size, no checkpoint written."""
-    out = _folder() / "uneven"
-    err = io.StringIO()
-    with redirect_stderr(err):
-        code = _finetune(out, "--parallel", "fsdp2_ep", *ACCUM, "--model-override", "num_experts=3")
-    return {"code": code, "err": err.getvalue(), "checkpoints": sorted(p.name for p in out.glob("*.pt"))}
+    """--parallel fsdp2_ep on its default 1 x 2 mesh, and --parallel ep over 2 ranks, with 3 experts per
+    layer: refused as the model is laid out, before any step: exit 2 naming --ep-size (fsdp2_ep) or
+    --parallel (ep), no checkpoint written."""
+    seen = {}
+    for engine in ("fsdp2_ep", "ep"):
+        out = _folder() / f"uneven-{engine}"
+        err = io.StringIO()
+        with redirect_stderr(err):
+            code = _finetune(out, "--parallel", engine, *ACCUM, "--model-override", "num_experts=3")
+        checkpoints = sorted(p.name for p in out.glob("*.pt"))
+        seen[engine] = {"code": code, "err": err.getvalue(), "checkpoints": checkpoints}
+    return seen
 
 
 def train_step_syncs_the_last_micro_batch(rank: int) -> dict[str, Any]:

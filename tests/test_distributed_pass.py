@@ -231,3 +231,114 @@ def test_fsdp2_ep_refuses_half_an_experts_module(one_rank):
     with pytest.raises(sonar_fx.SonarUsageError, match=r"part of layers.1.mlp.experts but not .*down_proj"):
         sd.fsdp2_ep(model, CFG, mesh=mesh, experts=UPPER[:1])
     assert getattr(model, "sonar", None) is None
+
+
+def mixed_expert_counts() -> torch.nn.Module:
+    """tiny-reference with 4 experts in layer 0 and 3 in layer 1: two ranks split the first, not the
+    second (a refusal that came at layer 1 would find layer 0 sharded already)."""
+    model = build_model("tiny-reference", seed=0, num_experts=4)
+    model.layers[1].mlp = build_model("tiny-reference", seed=1, num_experts=3).layers[1].mlp
+    return model
+
+
+@pytest.fixture
+def a_world_of_two(monkeypatch):
+    """What the refusal reads of the world, set to 2 ranks: the check comes before any collective, so one
+    process shows it (the command line on 2 spawned ranks: test_distributed_trainer_deferred)."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+
+@pytest.mark.parametrize("entry", ["expert_parallel", "shard_experts_"])
+def test_expert_parallel_refuses_experts_the_world_cannot_split_before_any_module_moves(
+    one_rank, a_world_of_two, entry
+):
+    import sonar_fx.distributed as sd
+
+    model = mixed_expert_counts()
+    modules = dict(model.named_modules())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = (model,) if entry == "shard_experts_" else (model, CFG)
+    with pytest.raises(sonar_fx.SonarUsageError) as caught:
+        getattr(sd, entry)(*args)
+    said = str(caught.value)
+    assert "layers.1.mlp.experts holds 3 experts, which expert parallelism cannot split" in said
+    assert "evenly over 2 ranks" in said
+    assert "run on a number of ranks that divides 3" in said and "an ep_size that divides 3 and 2" in said
+    assert dict(model.named_modules()) == modules  # layer 0's experts, which 2 ranks split, stay whole
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert getattr(model, "sonar", None) is None
+
+
+def test_shard_experts_splits_what_the_world_divides(one_rank):
+    """The control: the same model over this world of one rank is laid out, every layer."""
+    import sonar_fx.distributed as sd
+
+    model = mixed_expert_counts()
+    assert sd.shard_experts_(model) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    assert isinstance(model.layers[1].mlp.experts, sd.ExpertParallelExperts)
+
+
+@pytest.mark.parametrize("method", ["sonar", "standard"])
+def test_ep_engine_refuses_experts_the_world_cannot_split_naming_the_layer(a_world_of_two, method):
+    """What `--parallel ep` builds with (Sonar, or a baseline's layout): `ConfigFieldError` on "parallel"
+    (the command line's exit 2 naming --parallel), before any process group is asked to lay anything out."""
+    model = build_model("tiny-reference", seed=0, num_experts=3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigFieldError) as caught:
+        build_method(method, model, CFG, engine=ExpertParallelEngine())
+    assert caught.value.field == "parallel"
+    assert "layers.0.mlp.experts holds 3 experts" in str(caught.value) and "over 2 ranks" in str(caught.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert getattr(model, "sonar", None) is None
+
+
+@pytest.fixture
+def redistribute_notes(monkeypatch):
+    """The records DTensor's redistribution logger lets through (after its filters), with its
+    once-per-mesh memory emptied so that every norm below may note again."""
+    import logging
+
+    from torch.distributed.tensor import _redistribute
+
+    monkeypatch.setattr(_redistribute, "_warned_flatten_issues", set())
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(_redistribute.__name__)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_fsdp2_ep_clip_norm_is_torchtitans_without_dtensors_sequential_all_reduce_note(
+    one_rank, redistribute_notes
+):
+    """The baselines' clip over every parameter on FSDP2 x EP: bitwise torchtitan's norm written here
+    (which, unfiltered, logs DTensor's "2 sequential all_reduce operations" note: the control), and the
+    engine's own call logs nothing."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, _redistribute
+
+    from sonar_fx.engines import FSDP2EPEngine
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    every_rank = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu")
+    torch.manual_seed(0)
+    params = []
+    for i, sub in enumerate([mesh["dp"], every_rank, mesh["dp"]]):  # expert, dense, expert
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), sub, [Shard(0)]))
+        p.grad = DTensor.from_local(torch.randn(4, 3) * (i + 1), sub, [Shard(0)])
+        params.append(p)
+    experts = {id(params[0]), id(params[2])}
+    as_2d = [DTensor.from_local(params[i].grad.to_local(), mesh, [Shard(0), Shard(0)]) for i in (0, 2)]
+    ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
+    dense_norm = torch.nn.utils.get_total_norm([params[1].grad]).full_tensor()
+    expected = ep_norm**2 + dense_norm**2
+    expected **= 1.0 / 2
+    assert any("2 sequential all_reduce operations" in note for note in redistribute_notes)
+    redistribute_notes.clear()
+    _redistribute._warned_flatten_issues.clear()  # the engine's norm would note again, were it not quiet
+    got = FSDP2EPEngine().total_norm(params, experts)
+    assert torch.equal(got, expected) and redistribute_notes == []

@@ -1,7 +1,8 @@
 """Where users start the deferred schedule on an engine: `torchrun -m sonar_fx finetune --parallel
 ddp|ep|fsdp2|fsdp2_ep --grad-accum N --clip-scope all`, and SonarTrainer under torchrun (the Trainer's own
 DDP); what a rule refuses is refused by the one rule, `sonar_fx.api.distributed_gap`, before anything
-trains; a mesh `--ep-size` cannot lay out is refused naming the flag.
+trains; a mesh `--ep-size` cannot lay out is refused naming the flag, and experts the world cannot
+split on `--parallel ep` naming `--parallel` (exit 2, not a traceback).
 
 Each exactness claim is `torch.equal` on every parameter against the plain engine with the same recipe
 (gradients synced at the last micro-batch only), with a negative control that must differ."""
@@ -64,9 +65,21 @@ def test_fsdp2_ep_with_experts_the_mesh_cannot_split_is_refused_naming_ep_size(s
     """3 experts per layer on the default 1 x 2 mesh: exit 2 on every rank before any step, naming
     --ep-size and the layer; no checkpoint."""
     for rank in seen:
-        run = rank["uneven_experts"]
+        run = rank["uneven_experts"]["fsdp2_ep"]
         assert run["code"] == 2 and run["checkpoints"] == []
         assert "error: --ep-size:" in run["err"] and "holds 3 experts, which ep_size=2" in run["err"]
+
+
+@pytest.mark.multiprocess
+def test_ep_with_experts_the_world_cannot_split_is_refused_naming_the_layer_and_the_fix(seen):
+    """3 experts per layer over 2 ranks on --parallel ep: exit 2 on every rank before any step (no
+    traceback), naming the layer, its experts, the world and what to change; no checkpoint."""
+    for rank in seen:
+        run = rank["uneven_experts"]["ep"]
+        assert run["code"] == 2 and run["checkpoints"] == [] and "Traceback" not in run["err"]
+        assert "error: --parallel: model.layers.0.mlp.experts holds 3 experts" in run["err"]
+        assert "cannot split evenly over 2 ranks" in run["err"]
+        assert "run on a number of ranks that divides 3" in run["err"]
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sonar_fx  # noqa: F401  (installs the log filters)
+from sonar_fx.log_filters import quiet_norm_over_mesh_dims
 from sonar_fx.memory import _UNKNOWN_BLOCK, _native_stderr_without
 from sonar_fx.trainer.loop import _postfix
 
@@ -39,6 +40,23 @@ def test_torch_s_enum_notice_is_dropped_for_torchaos_enums_only():
     assert not shown("torch.utils._pytree", msg, theirs)
     assert shown("torch.utils._pytree", msg, mine)
     assert shown("torch.utils._pytree", "another notice about %s", theirs)
+
+
+def test_dtensors_sequential_all_reduce_note_is_dropped_for_a_norm_inside_the_block_only():
+    """The FSDP2 x EP clip's norm over its 2-D mesh (test_distributed_pass runs the real one): the note
+    about a norm partial on both mesh dimensions is dropped inside `quiet_norm_over_mesh_dims`; a sum's,
+    another collective's, or the same note outside the block still shows."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    logger = "torch.distributed.tensor._redistribute"
+    msg = "While redistributing from %s to %s, %d sequential %s operations will be performed. %s"
+    norms, replicated = (_NormPartial(2.0), _NormPartial(2.0)), (Replicate(), Replicate())
+    with quiet_norm_over_mesh_dims():
+        assert not shown(logger, msg, norms, replicated, 2, "all_reduce", "flatten")
+        assert shown(logger, msg, (Partial(), Partial()), replicated, 2, "all_reduce", "flatten")
+        assert shown(logger, msg, (Shard(0), Shard(0)), replicated, 2, "all_gather", "flatten")
+    assert shown(logger, msg, norms, replicated, 2, "all_reduce", "flatten")
 
 
 def test_the_profilers_unknown_block_line_is_dropped_and_other_native_lines_pass(capfd):

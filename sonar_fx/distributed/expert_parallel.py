@@ -147,22 +147,20 @@ def shard_experts_(
     """Replace every experts module of `model` by an `ExpertParallelExperts` holding this rank's
     E/world experts (a copy of its slice; every rank must hold the same full weights before, e.g.
     the same seed); returns the replaced modules' names. `experts` (parameters or names, as
-    `sonar_fx.compile` takes them): only the modules holding those tensors; the others stay whole."""
+    `sonar_fx.compile` takes them): only the modules holding those tensors; the others stay whole.
+    Every module is checked before any is replaced: a refusal leaves the model as it was."""
     group = require_process_group("sonar_fx.distributed.shard_experts_", group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    replaced = []
-    for layer in _layers_to_shard(model, experts):
+    layers = _layers_to_shard(model, experts)
+    for layer in layers:
+        if (found := {t.role for t in layer.tensors}) != {"up", "down"}:
+            raise SonarUsageError(f"{layer.name}: shard_experts_ needs gate_up/down experts, got {found}.")
+    problem = _uneven_split_of(layers, world)
+    if problem is not None:
+        raise SonarUsageError(f"sonar_fx.distributed.shard_experts_: {problem}. Nothing was sharded.")
+    for layer in layers:
         roles = {t.role: t.param for t in layer.tensors}
-        if set(roles) != {"up", "down"}:
-            raise SonarUsageError(
-                f"{layer.name}: shard_experts_ needs gate_up/down experts, got {set(roles)}."
-            )
         num_experts = layer.num_experts
-        if num_experts % world:
-            raise SonarUsageError(
-                f"{layer.name}: {num_experts} experts do not split evenly over {world} ranks; use a world "
-                "size that divides the number of experts."
-            )
         local = slice(rank * num_experts // world, (rank + 1) * num_experts // world)
         old = model.get_submodule(layer.name)
         new = ExpertParallelExperts(
@@ -171,8 +169,29 @@ def shard_experts_(
         )  # fmt: skip
         parent_name, _, child = layer.name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
-        replaced.append(layer.name)
-    return replaced
+    return [layer.name for layer in layers]
+
+
+def uneven_split(
+    model: nn.Module, ranks: int, experts: Iterable[nn.Parameter | str] | None = None
+) -> str | None:
+    """Why expert parallelism over `ranks` ranks cannot lay `model` out (the first experts module whose
+    expert count `ranks` does not divide, with the fix), or None when every module splits evenly.
+    `experts`: as `shard_experts_` takes it. It only reads the model: engines ask before they build."""
+    return _uneven_split_of(_layers_to_shard(model, experts), ranks)
+
+
+def _uneven_split_of(layers: list[ExpertLayer], ranks: int) -> str | None:
+    for layer in layers:
+        if layer.num_experts % ranks:
+            return (
+                f"{layer.name} holds {layer.num_experts} experts, which expert parallelism cannot split "
+                f"evenly over {ranks} ranks (each rank holds E/{ranks}); run on a number of ranks that "
+                f"divides {layer.num_experts}, keep every expert on every rank (DDP or FSDP2), or split the "
+                f"experts over fewer ranks with FSDP2 x EP (an ep_size that divides {layer.num_experts} "
+                f"and {ranks})"
+            )
+    return None
 
 
 def _glu_of(experts: nn.Module) -> Callable[[Tensor], Tensor]:
