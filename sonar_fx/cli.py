@@ -251,9 +251,9 @@ def _finetune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )  # fmt: skip
         return EXIT_SIGNAL_BASE + outcome.signum
-    world = (
-        f" on {summary['world_size']} ranks ({plan.cfg.parallel})" if plan.cfg.parallel is not None else ""
-    )
+    ranks = summary["world_size"]
+    plural = "s" * (ranks != 1)
+    world = f" on {ranks} rank{plural} ({plan.cfg.parallel})" if plan.cfg.parallel is not None else ""
     print(
         f"done: {summary['steps_done']} steps{world}; "
         f"held-out loss {_fmt(summary['held_out_loss_initial'])} -> "

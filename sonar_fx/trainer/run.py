@@ -72,7 +72,7 @@ def build(plan: RunPlan) -> tuple[nn.Module, TrainingMethod, list[torch.optim.lr
     try:
         method = build_method(cfg.method, model, plan.opt_cfg, execution=cfg.execution,
                               engine=parallel.engine, **sonar_kwargs)  # fmt: skip
-    except ConfigFieldError as exc:  # the engine's own check of the model (fsdp2_ep: --ep-size)
+    except ConfigFieldError as exc:  # the engine's check of the model (ep: the world; fsdp2_ep: --ep-size)
         raise field_error(exc) from exc
     shape = WarmupCosine(cfg.warmup, cfg.steps, cfg.min_lr / cfg.lr)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, shape) for opt in method.optimizers]
