@@ -46,9 +46,14 @@ LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
 SIZE=()  # the GPU, full size
+GPU_COMPILER=()  # the gpu stage's compiled arm: inductor
 TESTS_DEVICE=()
 if ((REHEARSE)); then
   SIZE=(--device cpu --tiny)
+  # Inductor, as on the GPU, unless REHEARSE_COMPILER=aot_eager (the suite's rehearsal: the same script,
+  # arms and pass without C++ codegen; with a cold inductor cache that one compile was most of the
+  # stage's time; tests/test_compiled_inductor.py covers the pass under inductor).
+  GPU_COMPILER=(--compiler "${REHEARSE_COMPILER:-inductor}")
   TESTS_DEVICE=(--gpu-device cpu)
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=1  # Triton kernels run interpreted on CPU; one thread each
 fi
@@ -81,7 +86,8 @@ fi
 
 stage preflight "${GPU_CHECK_PREFLIGHT_S:-60}" \
   bash -c "set -o pipefail; '$PY' scripts/gpu_preflight.py 2>&1 | tee '$OUT/preflight.txt'"
-stage gpu "${GPU_CHECK_GPU_S:-240}" "$PY" -m scripts.gpu.olmoe --quick "${SIZE[@]}" --out "$OUT/results"
+stage gpu "${GPU_CHECK_GPU_S:-240}" "$PY" -m scripts.gpu.olmoe --quick "${SIZE[@]}" "${GPU_COMPILER[@]}" \
+  --out "$OUT/results"
 stage kernels "${GPU_CHECK_KERNELS_S:-130}" "$PY" -m scripts.gpu.kernels --quick --compilers eager \
   "${SIZE[@]}" --out "$OUT/results"
 stage tests "${GPU_CHECK_TESTS_S:-100}" "$PY" -m pytest -q -rs --durations=10 -p no:cacheprovider \
