@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 import sonar_fx
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.models import build_model
-from sonar_fx.passes.recipe import Program, load_recipe
+from sonar_fx.passes.recipe import Program, Recipe, load_recipe
 
 from helpers import assert_same_weights, batches, known_library_failure
 from test_deferred import MAX_NORM, Twin, cfg_for
@@ -144,6 +144,24 @@ def test_each_path_keeps_operands_plus_one_gradient_below_the_whole_gradients(pa
     kept = opt.report()["deferred"]["kept_operand_peak"]
     assert kept > 0 and kept + max(bounds.tensor_sizes) < bounds.total, (kept, bounds)
     assert opt.report()["deferred"]["kept_whole"] == [] and opt.report()["saving_lost_bytes"] == 0
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_the_reference_kernel_step_computes_the_weight_gradient_alone(compiler):
+    """Its backward op computes dx and dW; the step needs dW only: each kept recipe names the op that
+    computes it alone (the same mm per group), not the whole backward again (as many FLOPs again for a
+    dx nobody reads: expert parallelism's deferred step ran 1.39x the plain one)."""
+    model, opt, _, _ = pair("reference", compiler, torch.float32, **WIDE_REFERENCE)
+    model(**batches(1)[0]).loss.backward()
+    recipes = [load_recipe(entry.recipe) for entry in opt.deferred.entries()]
+    assert len(recipes) == len(opt.expert_group["params"])
+    for recipe in recipes:
+        ops = [recipe.op] if isinstance(recipe, Recipe) else [name for name, _, _ in recipe.steps]
+        assert (
+            "sonar_fx.grouped_mm_weight_grad.default" in ops
+            and "sonar_fx.grouped_mm_backward.default" not in ops
+        ), ops
+    opt.zero_grad()
 
 
 def assert_batched_mm_keeps_a_program(opt) -> None:
