@@ -440,7 +440,7 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
     note = (
         f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank x "
         f"{cfg.accum} micro-batches (no_sync() on all but the last), {cfg.world} gloo ranks, clip over every "
-        f"parameter; compilers {cfg.compilers}. Peak = the most storage bytes alive at once in step 2, "
+        f"parameter; compilers {cfg.compilers}. Peak = the most storage bytes alive at once in step 3, "
         "counted from the tensors (`sonar_fx.memory_live.LiveStorageMeter`: weights, states, gradients, "
         "the batch, every op's outputs, frees on every thread; DDP's buckets included). expected = expert "
         "grads - two tensors - kept operands; overlapped = expert gradients computed while the one before "
