@@ -53,11 +53,11 @@ class Recipe:
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the same ops, in the same order, as the graph)."""
-        out = _op(self.op)(*_decode(self.args, operands, []), **_decode(self.kwargs, operands, []))
+        out = op_named(self.op)(*_decode(self.args, operands, []), **_decode(self.kwargs, operands, []))
         if self.item is not None:
             out = out[self.item]
         for name, args, kwargs in self.views:
-            out = _op(name)(out, *_decode(args, operands, []), **_decode(kwargs, operands, []))
+            out = op_named(name)(out, *_decode(args, operands, []), **_decode(kwargs, operands, []))
         return out
 
 
@@ -80,7 +80,7 @@ class Program:
         """The gradient, from the kept operands (the ops in order, as the graph or autograd ran them)."""
         values: list[Any] = []
         for name, args, kwargs in self.steps:
-            fn = operator.getitem if name == "getitem" else _op(name)
+            fn = operator.getitem if name == "getitem" else op_named(name)
             values.append(fn(*_decode(args, operands, values), **_decode(kwargs, operands, values)))
         return values[self.result]
 
@@ -328,6 +328,7 @@ def _decode(value: Any, operands: Sequence[Tensor], values: Sequence[Any]) -> An
 
 
 @functools.cache
-def _op(name: str) -> torch._ops.OpOverload:
+def op_named(name: str) -> torch._ops.OpOverload:
+    """The op `str()` names "namespace.packet.overload" (as recipes write it)."""
     namespace, packet, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload)

@@ -35,11 +35,7 @@ def grouped_mm_backward(
     grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(dx_Sk, dw_Eok) of `grouped_mm`; dw_Eok comes out contiguous, in the weight's layout."""
-    dx_Sk = torch.zeros_like(x_Sk)
-    for e, (start, end) in enumerate(_bounds(offs_E)):
-        if end > start:
-            torch.mm(grad_So[start:end], w_Eok[e], out=dx_Sk[start:end])
-    return dx_Sk, _weight_grad(grad_So, x_Sk, w_Eok, offs_E)
+    return _input_grad(grad_So, x_Sk, w_Eok, offs_E), _weight_grad(grad_So, x_Sk, w_Eok, offs_E)
 
 
 @grouped_mm_backward.register_fake
@@ -62,6 +58,26 @@ def _grouped_mm_weight_grad_fake(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, o
     return torch.empty_like(w_Eok, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("sonar_fx::grouped_mm_input_grad", mutates_args=())
+def grouped_mm_input_grad(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor) -> Tensor:
+    """`grouped_mm_backward`'s dx_Sk alone, the same arithmetic (`x_Sk` gives its shape): the backward
+    of a weight whose gradient the deferred schedule computes at `step()` instead."""
+    return _input_grad(grad_So, x_Sk, w_Eok, offs_E)
+
+
+@grouped_mm_input_grad.register_fake
+def _grouped_mm_input_grad_fake(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor) -> Tensor:
+    return torch.empty_like(x_Sk)
+
+
+def _input_grad(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor) -> Tensor:
+    dx_Sk = torch.zeros_like(x_Sk)
+    for e, (start, end) in enumerate(_bounds(offs_E)):
+        if end > start:
+            torch.mm(grad_So[start:end], w_Eok[e], out=dx_Sk[start:end])
+    return dx_Sk
+
+
 def _weight_grad(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor) -> Tensor:
     dw_Eok = torch.zeros_like(w_Eok, memory_format=torch.contiguous_format)
     for e, (start, end) in enumerate(_bounds(offs_E)):
@@ -70,6 +86,7 @@ def _weight_grad(grad_So: Tensor, x_Sk: Tensor, w_Eok: Tensor, offs_E: Tensor) -
     return dw_Eok
 
 
+register_output_alone("sonar_fx.grouped_mm_backward.default", 0, "sonar_fx.grouped_mm_input_grad.default")
 register_output_alone("sonar_fx.grouped_mm_backward.default", 1, "sonar_fx.grouped_mm_weight_grad.default")
 
 
@@ -80,6 +97,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_So: Tensor):
     x_Sk, w_Eok, offs_E = ctx.saved_tensors
+    if not ctx.needs_input_grad[1]:  # a weight whose gradient is computed elsewhere (the deferred step)
+        return grouped_mm_input_grad(grad_So.contiguous(), x_Sk, w_Eok, offs_E), None, None
     dx_Sk, dw_Eok = grouped_mm_backward(grad_So.contiguous(), x_Sk, w_Eok, offs_E)
     return dx_Sk, dw_Eok, None
 
