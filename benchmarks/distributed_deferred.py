@@ -35,13 +35,13 @@ import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,6 +56,7 @@ from sonar_fx.distributed.reductions import expert_parallel_norm
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.measure import fmt_ratio, paired_ratio
 from sonar_fx.memory import measure_peak, storage_bytes
+from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.planner import plan
 from sonar_fx.workload import random_batches
 
@@ -124,17 +125,29 @@ class Arm:
                 self.run.set_requires_gradient_sync(last)  # type: ignore[operator]
                 self.run(**b).loss.backward()
 
-    def start_bytes(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
-        """Storage bytes alive when a step starts: weights, buffers, gradients, optimizer states, DDP's
-        buckets and the batch (each storage once)."""
+    def alive(self, micro_batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The tensors alive when a step starts: weights, buffers, gradients, optimizer states and the
+        batch (FSDP2: the rank's shards)."""
         tensors = [t for p in self.model.parameters() for t in (p, p.grad) if t is not None]
         tensors += [
             v for o in self.optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)
         ]
         tensors += [*self.model.buffers(), *(t for b in micro_batches for t in b.values())]
-        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # FSDP2: the rank's shards
-        buckets = ddp_bucket_bytes(self.run) if isinstance(self.run, DDP) else 0
-        return storage_bytes(local) + buckets
+        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+    def all_gather_outputs(self) -> list[torch.Tensor]:
+        """FSDP2's all-gather output buffers: allocated and freed by resizing their storage in place."""
+        states = [m._get_fsdp_state() for m in self.model.modules() if isinstance(m, FSDPModule)]
+        groups = [g for s in states if (g := s._fsdp_param_group) is not None]
+        return [t for g in groups for fp in g.fsdp_params for t in fp.all_gather_outputs]
+
+    def bucket_bytes(self) -> int:
+        """DDP's bucket buffers: alive for the run, exposed by no tensor of the model."""
+        return ddp_bucket_bytes(self.run) if isinstance(self.run, DDP) else 0
+
+    def start_bytes(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """Storage bytes alive when a step starts (each storage once), DDP's buckets included."""
+        return storage_bytes(self.alive(micro_batches)) + self.bucket_bytes()
 
 
 def build(cfg: Config, engine: str, deferred: bool, clip: str) -> Arm:
@@ -214,7 +227,16 @@ class MemoryRow:
     engine: str
     rank: int
     plain_peak: int
+    """The plain engine's step 2: the most storage bytes alive at once, counted from the tensors
+    (`LiveStorageMeter`: frees on every thread), DDP's buckets included."""
     deferred_peak: int
+    """The same for the deferred schedule."""
+    plain_profiled: int
+    """The same step by the profiler: bytes alive at its start + the allocator events' transient peak
+    (misses frees on gloo's threads; holds kernel scratch)."""
+    deferred_profiled: int
+    frees_elsewhere: int
+    """Deferred step: storages freed on a thread other than the step's (what the profiler misses)."""
     expert_bytes: int
     """The expert-gradient bytes the plain engine holds on this rank (EP: its E/world experts; FSDP2,
     whose loop skips gradient sync: every expert's unsharded gradient until the synced backward)."""
@@ -222,8 +244,10 @@ class MemoryRow:
     """Two of the largest expert tensor's gradient: the one in flight and the one being computed."""
     kept_bytes: int
     """The deferred step's kept operands at their most (`DeferredGrads.last_peak_bytes`)."""
+    planned_plain: int
+    """`sonar-fx plan --parallel ENGINE --world N --methods standard`'s peak (0: not planned)."""
     planned_peak: int
-    """`sonar-fx plan --parallel ENGINE --world N`'s peak (0: not planned, FSDP2)."""
+    """`sonar-fx plan --parallel ENGINE --world N`'s peak of the deferred step (0: not planned)."""
     overlapped: int
     """Expert gradients computed while the collective of the one before ran, in the measured step."""
 
@@ -236,18 +260,40 @@ class MemoryRow:
         return self.expert_bytes - self.two_tensors - self.kept_bytes
 
 
+@dataclass(frozen=True)
+class _Measured:
+    counted: int
+    profiled: int
+    frees_elsewhere: int
+
+
+def _measure_step(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> _Measured:
+    """One step measured two ways at once: the profiler's allocator events and the live storages."""
+    start = arm.start_bytes(micro)
+    meter = LiveStorageMeter(
+        arm.alive(micro), constant_bytes=arm.bucket_bytes(), resizable=arm.all_gather_outputs()
+    )
+
+    def step() -> None:
+        with meter:
+            arm.train(micro)
+
+    _, peak = measure_peak(step)
+    return _Measured(meter.peak_bytes, start + peak.peak_bytes, meter.frees_elsewhere)
+
+
 def measure_memory(cfg: Config, engine: str) -> MemoryRow:
     """The clip over every parameter, plain and deferred: step 2's absolute peak on this rank."""
-    peaks, kept, overlapped, arm = {}, 0, 0, None
+    measured, kept, overlapped, arm = {}, 0, 0, None
     for deferred in (False, True):
         arm = build(cfg, engine, deferred, "all")
-        steps = steps_of(cfg, cfg.warmup + 1, seed=1)
+        # Measured at step warmup + 2: optimizer states exist, and DDP has rebuilt its buckets (in the
+        # first forward after its first synced backward, a new set, the old one freed: once per run).
+        steps = steps_of(cfg, cfg.warmup + 2, seed=1)
         for micro in steps[:-1]:
-            arm.train(micro)  # optimizer states exist from here
-        start = arm.start_bytes(steps[-1])
+            arm.train(micro)
         overlapped_before = arm.sonar.deferred.overlapped if deferred else 0
-        _, peak = measure_peak(partial(arm.train, steps[-1]))
-        peaks[deferred] = start + peak.peak_bytes
+        measured[deferred] = _measure_step(arm, steps[-1])
         if deferred:
             kept, overlapped = (
                 arm.sonar.deferred.last_peak_bytes,
@@ -257,17 +303,30 @@ def measure_memory(cfg: Config, engine: str) -> MemoryRow:
     # What the plain engine holds: each expert tensor's whole gradient on the rank (EP: its E/world
     # experts; FSDP2 under set_requires_gradient_sync(False): every expert's unsharded gradient).
     sizes = [p.numel() * p.element_size() for p in arm.experts]
-    planned = None if engine == "fsdp2" else plan(
-        _shape_config(cfg), batch=cfg.batch,
-        seq=cfg.seq, dtype=getattr(torch, cfg.dtype), opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM),
-        methods=("sonar_deferred_global_clip",), device="cpu", grad_accum=cfg.accum, parallel=engine,
-        world=cfg.world,
-    )  # fmt: skip
     return MemoryRow(
-        engine=engine, rank=dist.get_rank(), plain_peak=peaks[False], deferred_peak=peaks[True],
+        engine=engine, rank=dist.get_rank(), plain_peak=measured[False].counted,
+        deferred_peak=measured[True].counted, plain_profiled=measured[False].profiled,
+        deferred_profiled=measured[True].profiled, frees_elsewhere=measured[True].frees_elsewhere,
         expert_bytes=sum(sizes), two_tensors=2 * max(sizes), kept_bytes=kept or 0,
-        planned_peak=0 if planned is None else planned.methods[0].peak_allocated_bytes, overlapped=overlapped,
+        planned_plain=0, planned_peak=0, overlapped=overlapped,
     )  # fmt: skip
+
+
+DEFERRED = "sonar_deferred_global_clip"
+
+
+def planned_peaks(cfg: Config, engine: str) -> dict[str, int]:
+    """`sonar-fx plan --parallel ENGINE --world N`'s per-rank peaks of the plain (`standard`: clip over
+    every parameter) and the deferred step, by method ({}: the engine is not planned). Planned in the
+    launching process: a plan starts no process group and runs in none."""
+    if engine == "fsdp2":
+        return {}
+    planned = plan(
+        _shape_config(cfg), batch=cfg.batch, seq=cfg.seq, dtype=getattr(torch, cfg.dtype),
+        opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM), methods=("standard", DEFERRED), device="cpu",
+        grad_accum=cfg.accum, parallel=engine, world=cfg.world,
+    )  # fmt: skip
+    return {m.method: m.peak_allocated_bytes for m in planned.methods}
 
 
 def _shape_config(cfg: Config) -> Any:
@@ -377,28 +436,44 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
         return f"{mib(n):.1f}"
 
     body = [[r.engine, str(r.rank), m(r.plain_peak), m(r.deferred_peak), m(r.saving), m(r.expert_bytes),
-             m(r.two_tensors), m(r.kept_bytes), f"{r.saving / max(r.expected, 1):.2f}", *_planned(r),
-             str(r.overlapped)]
+             m(r.two_tensors), m(r.kept_bytes), f"{r.saving / max(r.expected, 1):.2f}", str(r.overlapped)]
             for r in rows]  # fmt: skip
     note = (
         f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank x "
         f"{cfg.accum} micro-batches (no_sync() on all but the last), {cfg.world} gloo ranks, clip over every "
-        "parameter; "
-        f"compilers {cfg.compilers}. Peak = bytes alive at step 2's start (storage bytes, DDP's buckets "
-        "included) + the profiler's transient peak above it. expected = expert grads - two tensors - kept "
-        "operands; planned = `sonar-fx plan --parallel ENGINE --world N` (sonar_deferred_global_clip, "
-        "device cpu); overlapped = expert gradients computed while the one before was reduced."
+        f"parameter; compilers {cfg.compilers}. Peak = the most storage bytes alive at once in step 3, "
+        "counted from the tensors (`sonar_fx.memory_live.LiveStorageMeter`: weights, states, gradients, "
+        "the batch, every op's outputs, frees on every thread; DDP's buckets included). expected = expert "
+        "grads - two tensors - kept operands; overlapped = expert gradients computed while the one before "
+        "was reduced."
     )
     headers = ["engine", "rank", "plain MiB", "deferred MiB", "saving MiB", "expert grads MiB",
-               "two tensors MiB", "kept operands MiB", "saving / expected", "planned MiB", "plan error",
-               "overlapped"]  # fmt: skip
+               "two tensors MiB", "kept operands MiB", "saving / expected", "overlapped"]  # fmt: skip
     return Table(title="Memory per rank", headers=headers, rows=body, note=note)
 
 
-def _planned(r: MemoryRow) -> list[str]:
-    if not r.planned_peak:
-        return ["-", "-"]
-    return [f"{mib(r.planned_peak):.1f}", f"{(r.planned_peak - r.deferred_peak) / r.deferred_peak:+.1%}"]
+def plan_table(rows: list[MemoryRow]) -> Table:
+    """Each rank's step measured two ways and planned: the plan is graded against the counted peak."""
+    body = []
+    for r in rows:
+        for arm, counted, profiled, planned in (
+            ("plain", r.plain_peak, r.plain_profiled, r.planned_plain),
+            ("deferred", r.deferred_peak, r.deferred_profiled, r.planned_peak),
+        ):
+            error = "-" if not planned else f"{(planned - counted) / counted:+.1%}"
+            body.append([r.engine, str(r.rank), arm, f"{mib(counted):.1f}", f"{mib(profiled):.1f}",
+                         f"{(profiled - counted) / counted:+.1%}", f"{mib(planned):.1f}" if planned else "-",
+                         error, str(r.frees_elsewhere) if arm == "deferred" else "-"])  # fmt: skip
+    note = (
+        "counted: the live storages' peak (the memory table's); profiled: bytes alive at the start + the CPU "
+        "profiler's transient peak, on the same step (it misses frees on gloo's threads and holds kernel "
+        "scratch inside an op, which the count does not see); planned: `sonar-fx plan --parallel ENGINE "
+        "--world N` (standard for plain, sonar_deferred_global_clip for deferred; device cpu), its error "
+        "against counted; frees elsewhere: storages the deferred step freed on another thread."
+    )
+    headers = ["engine", "rank", "arm", "counted MiB", "profiled MiB", "profiled - counted", "planned MiB",
+               "plan error", "frees elsewhere"]  # fmt: skip
+    return Table(title="Plan vs measured per rank", headers=headers, rows=body, note=note)
 
 
 def time_table(rows: list[TimeRow], cfg: Config) -> Table:
@@ -430,9 +505,11 @@ def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
     for r in memory:
         out.append(goal(f"{SCRIPT}.saving", f"{r.engine} rank {r.rank}: saving / expected",
                         r.saving / max(r.expected, 1)))  # fmt: skip
-        if r.planned_peak:
-            out.append(goal(f"{SCRIPT}.plan", f"{r.engine} rank {r.rank}: |planned - measured| / measured",
-                            abs(r.planned_peak - r.deferred_peak) / r.deferred_peak))  # fmt: skip
+        for arm, planned, counted in (("plain", r.planned_plain, r.plain_peak),
+                                      ("deferred", r.planned_peak, r.deferred_peak)):  # fmt: skip
+            if planned:
+                name = f"{r.engine} rank {r.rank} {arm}: |planned - measured| / measured"
+                out.append(goal(f"{SCRIPT}.plan", name, abs(planned - counted) / counted))
     for t in times:
         if t.clip == "dense":
             name = f"{t.engine} rank {t.rank}: dense-only clip, deferred / plain"
@@ -440,10 +517,28 @@ def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
     return out
 
 
+def measured_and_planned(cfg: Config) -> list[MemoryRow]:
+    """Each rank's memory rows, with the plan of its engine beside them."""
+    planned = {engine: planned_peaks(cfg, engine) for engine in cfg.engines}
+    return [
+        replace(row, planned_plain=planned[row.engine].get("standard", 0),
+                planned_peak=planned[row.engine].get(DEFERRED, 0))
+        for row in (MemoryRow(**r) for rank in per_rank(cfg, memory_job) for r in rank)
+    ]  # fmt: skip
+
+
+def run_plan(cfg: Config) -> Output:
+    """`--plan`: memory only, the plan graded against the counted peak (no time rounds)."""
+    memory = measured_and_planned(cfg)
+    return Output(tables=[plan_table(memory), memory_table(memory, cfg)],
+                  goals=[g for g in goals(memory, []) if "planned" in g.name],
+                  records=[asdict(r) for r in memory])  # fmt: skip
+
+
 def run(cfg: Config) -> Output:
-    memory = [MemoryRow(**r) for rank in per_rank(cfg, memory_job) for r in rank]
+    memory = measured_and_planned(cfg)
     times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
-    tables = [memory_table(memory, cfg)] + ([time_table(times, cfg)] if times else [])
+    tables = [memory_table(memory, cfg), plan_table(memory)] + ([time_table(times, cfg)] if times else [])
     records = [asdict(r) for r in memory] + [asdict(t) for t in times]
     # Another choice of engines (`--engines fsdp2`) never overwrites the default run's results.
     partial_run = None if cfg.engines == Config().engines else "_".join((SCRIPT, *cfg.engines))
@@ -456,7 +551,11 @@ TIMELINE = Mode(flag="--timeline", script="distributed_timeline",
                 run=lambda cfg: _timeline().run_timeline(cfg))  # fmt: skip
 
 
-MODES = (TIMELINE,)
+PLAN = Mode(flag="--plan", script="distributed_plan",
+            question="How close is `sonar-fx plan --parallel ENGINE --world 2` to the measured 2-rank step?",
+            default=Config(rounds=0, engines=ENGINES), quick=replace(QUICK, rounds=0, engines=ENGINES),
+            run=run_plan)  # fmt: skip
+MODES = (TIMELINE, PLAN)
 
 
 def _timeline() -> Any:

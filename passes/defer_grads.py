@@ -40,7 +40,16 @@ from torch.fx import GraphModule, Node
 from sonar_fx.passes.find_expert_grads import ExpertGrad, find_expert_grads
 from sonar_fx.passes.graph_utils import node_order
 from sonar_fx.passes.insert_updates import META_KEYS, last_reader, registered_op
-from sonar_fx.passes.recipe import NotRerunnable, Program, Recipe, build_program, build_recipe, needs_program
+from sonar_fx.passes.recipe import (
+    ALONE,
+    NotRerunnable,
+    Program,
+    Recipe,
+    build_program,
+    build_recipe,
+    needs_program,
+    op_named,
+)
 
 DEFER_OP_NAME = "sonar_fx::expert_defer_"
 
@@ -136,10 +145,32 @@ def _chain(grad: Node, producer: Node) -> list[Node]:
 
 def _erase_unused(nodes: list[Node]) -> None:
     """Drop the nodes a recipe computes again, last first, where nothing else reads them: the backward
-    then never computes that weight gradient."""
+    then never computes that weight gradient. A multi-output op whose other output the graph still
+    reads computes that output alone where an op does (`recipe.ALONE`: a backward op's input gradient
+    without the weight gradient the step computes)."""
     for node in reversed(nodes):
         if not node.users:
             node.graph.erase_node(node)
+        elif isinstance(node.target, torch._ops.OpOverload):
+            _keep_the_output_read(node)
+
+
+def _keep_the_output_read(call: Node) -> None:
+    items = {u.args[1] for u in call.users if u.target is operator.getitem}
+    if len(items) != 1 or len(call.users) != sum(u.target is operator.getitem for u in call.users):
+        return
+    (item,) = items
+    alone = ALONE.get((str(call.target), item))
+    if alone is None:
+        return
+    with call.graph.inserting_before(call):
+        single = call.graph.call_function(op_named(alone), call.args, call.kwargs)
+    readers = list(call.users)
+    single.meta = {**call.meta, "val": readers[0].meta.get("val")}
+    for getitem in readers:
+        getitem.replace_all_uses_with(single)
+        call.graph.erase_node(getitem)
+    call.graph.erase_node(call)
 
 
 def defer_op() -> torch._ops.OpOverload:

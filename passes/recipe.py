@@ -55,11 +55,11 @@ class Recipe:
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the same ops, in the same order, as the graph)."""
-        out = _op(self.op)(*_decode(self.args, operands, []), **_decode(self.kwargs, operands, []))
+        out = op_named(self.op)(*_decode(self.args, operands, []), **_decode(self.kwargs, operands, []))
         if self.item is not None:
             out = out[self.item]
         for name, args, kwargs in self.views:
-            out = _op(name)(out, *_decode(args, operands, []), **_decode(kwargs, operands, []))
+            out = op_named(name)(out, *_decode(args, operands, []), **_decode(kwargs, operands, []))
         return out
 
 
@@ -111,7 +111,7 @@ class Program:
         values: list[Any] = []
         product: list[Any] = []
         for i, (name, args, kwargs) in enumerate(self.steps):
-            fn = operator.getitem if name == "getitem" else _op(name)
+            fn = operator.getitem if name == "getitem" else op_named(name)
             args, kwargs = _decode(args, operands, values), _decode(kwargs, operands, values)
             if scattered is not None and i == scattered.product:
                 # Computed by the put, chunk by chunk. Its first operand stands in for it where the
@@ -134,6 +134,17 @@ def load_recipe(text: str) -> Recipe | Program:
     return Recipe.from_json(text)
 
 
+ALONE: dict[tuple[str, int], str] = {}
+"""(multi-output op, output) -> an op over the same arguments that computes that output alone, with the
+same arithmetic: a recipe runs it instead of the whole op (a backward op's weight output, without the
+input gradient the step does not need). Filled by the op's owner (`register_output_alone`)."""
+
+
+def register_output_alone(op: str, item: int, alone: str) -> None:
+    """Recipes of output `item` of `op` run `alone` (same arguments, that output only) instead."""
+    ALONE[(op, item)] = alone
+
+
 def build_recipe(producer: Node, grad: Node) -> tuple[Recipe, list[Node]]:
     """The recipe of the gradient `grad` (a view chain over `producer`) and the operand nodes it reads."""
     views = []
@@ -152,8 +163,11 @@ def build_recipe(producer: Node, grad: Node) -> tuple[Recipe, list[Node]]:
         call, item = inner, index
     if not isinstance(call.target, torch._ops.OpOverload):
         raise NotRerunnable(f"the producer {call.target} is not a single op")
+    op = str(call.target)
+    if item is not None and (op, item) in ALONE:
+        op, item = ALONE[(op, item)], None
     recipe = Recipe(
-        op=str(call.target),
+        op=op,
         args=_encode(list(call.args), operands),
         kwargs=_encode(dict(call.kwargs), operands),
         item=item,
@@ -201,7 +215,25 @@ def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
         args = _encode(list(node.args), operands, steps)
         program.append((name, args, _encode(dict(node.kwargs), operands, steps)))
         steps[node] = len(program) - 1
-    return Program(_in_place_on_fresh(program), steps[grad]), operands, nodes
+    return Program(_in_place_on_fresh(_outputs_alone(program)), steps[grad]), operands, nodes
+
+
+def _outputs_alone(
+    program: list[tuple[str, list[Any], dict[str, Any]]],
+) -> list[tuple[str, list[Any], dict[str, Any]]]:
+    """A multi-output op whose one output the program reads (`getitem`) and that has an op computing
+    that output alone (`ALONE`): that op instead, the `getitem` an alias of its result (no copy)."""
+    readers = readers_of(program)
+    out = list(program)
+    for i, (name, args, _) in enumerate(program):
+        if name != "getitem" or not isinstance(args[0], dict) or "step" not in args[0]:
+            continue
+        j, item = args[0]["step"], args[1]
+        alone = ALONE.get((program[j][0], item))
+        if alone is not None and len(readers.get(j, [])) == 1:
+            out[j] = (alone, program[j][1], program[j][2])
+            out[i] = ("aten.alias.default", [{"step": j}], {})
+    return out
 
 
 _FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default", "aten.new_full.default"}
@@ -317,6 +349,7 @@ def _decode(value: Any, operands: Sequence[Tensor], values: Sequence[Any]) -> An
 
 
 @functools.cache
-def _op(name: str) -> torch._ops.OpOverload:
+def op_named(name: str) -> torch._ops.OpOverload:
+    """The op `str()` names "namespace.packet.overload" (as recipes write it)."""
     namespace, packet, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload)

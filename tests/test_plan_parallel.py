@@ -1,9 +1,11 @@
 """`sonar-fx plan --parallel ddp|ep --world N`: one rank of a parallel run, planned from the one-process
 step with what the engine changes on a rank (`sonar_fx.planner.parallel`). The measured 2-rank step it
-is held to (within 3%) is `benchmarks.distributed_deferred`'s; here, the arithmetic on a tiny config.
+is held to (within 3%) is `benchmarks.distributed_deferred`'s, counted by `LiveStorageMeter` (frees on
+every thread); here, the plan's arithmetic on a tiny config and what the meter counts.
 """
 
 import json
+import threading
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ import torch
 from sonar_fx.cli import main
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
-from sonar_fx.memory import ExpertGradBytes
+from sonar_fx.memory import ExpertGradBytes, measure_peak
+from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import PlanError, plan
@@ -48,6 +51,20 @@ def test_a_ddp_rank_is_the_one_process_step_plus_the_dense_buckets(plans):
     assert (plans["ddp"].parallel, plans["ddp"].world) == ("ddp", 2)
 
 
+def test_a_plain_ddp_rank_holds_buckets_for_every_parameter():
+    """The plain engine's DDP reduces every gradient, experts included: its buckets copy them all (the
+    planned `standard` rank's peak and start are the one-process step's plus these bytes)."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, **SHAPE)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    rank = Layout(engine="ddp", world=2)
+    assert (
+        rank.bucket_bytes(model, sonar=False)
+        == every
+        > rank.bucket_bytes(model, sonar=True)
+        == _dense_bytes()
+    )
+
+
 def test_an_expert_parallel_rank_holds_its_share_of_the_experts():
     """The rank's model: E/world experts per layer, the same top-k; DDP's buckets for the dense part."""
     source = model_source(tiny_config("tiny-olmoe", **SHAPE))
@@ -82,3 +99,53 @@ def test_the_cli_plans_a_rank(capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["parallel"], out["world"]) == ("ddp", 2)
     assert out["methods"][0]["peak_allocated_bytes"] > out["methods"][0]["step_start_bytes"]
+
+
+# ------------------------------------------------------------- the measurement the plan is held to
+
+MIB = 2**20
+
+
+def test_the_live_count_sees_a_free_on_another_thread_that_the_profiler_misses():
+    """A gradient an asynchronous collective's thread lets go of: freed before the next allocation, so
+    one of the two is alive at a time. The count says so; the profiler (negative control) records no
+    free on that thread and counts both."""
+    alive = torch.zeros(MIB // 4)
+    box: dict[str, torch.Tensor] = {}
+    meter = LiveStorageMeter([alive])
+
+    def step() -> None:
+        with meter:
+            box["grad"] = torch.ones(MIB // 4) * 2  # 1 MiB, freed elsewhere
+            other = threading.Thread(target=box.clear)
+            other.start()
+            other.join()
+            (torch.ones(MIB // 4) * 3).sum()
+
+    _, profiled = measure_peak(step)
+    assert meter.start_bytes == MIB
+    assert meter.peak_bytes - meter.start_bytes == 2 * MIB  # ones(), then its product: never more
+    assert meter.frees_elsewhere == 1
+    assert meter.now == meter.start_bytes  # everything made in the region is gone
+    assert profiled.peak_bytes >= 3 * MIB  # the control: the freed gradient still counted
+
+
+def test_a_storage_an_op_only_writes_is_counted_once():
+    """DDP's bucket is alive for the run (`constant_bytes`) and written by the reducer's copies: seen as
+    an op's argument and output, it is not a new allocation."""
+    bucket, grad = torch.zeros(MIB // 4), torch.ones(MIB // 4)
+    with LiveStorageMeter([grad], constant_bytes=MIB) as meter:
+        bucket.copy_(grad)
+        bucket.view(2, -1).mul_(2)
+    assert meter.peak_bytes == meter.start_bytes == 2 * MIB
+
+
+def test_a_storage_resized_in_place_is_reread_after_every_op():
+    """FSDP2's all-gather outputs: allocated and freed by resizing their storage, outside any op."""
+    gathered = torch.empty(0)
+    with LiveStorageMeter(resizable=[gathered]) as meter:
+        gathered.untyped_storage().resize_(MIB)
+        torch.ones(1).add_(1)  # any op: the resize is seen here
+        gathered.untyped_storage().resize_(0)
+        torch.ones(MIB // 4).add_(1)
+    assert meter.peak_bytes == MIB + 4

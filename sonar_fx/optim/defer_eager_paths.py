@@ -116,9 +116,10 @@ def _transposed_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
 # ------------------------------------------------------- sonar_fx::grouped_mm (the reference model)
 
 _SONAR_GROUPED_MM_RECIPE = Recipe(
-    "sonar_fx.grouped_mm_backward.default", [{"operand": i} for i in range(4)], {}, 1, []
+    "sonar_fx.grouped_mm_weight_grad.default", [{"operand": i} for i in range(4)], {}, None, []
 ).to_json()
-"""The reference kernel's backward op over [dy, x, w, offs], its weight output (as its autograd runs it)."""
+"""The reference kernel's weight gradient over [dy, x, w, offs]: its backward op's weight output alone
+(the same arithmetic as its autograd runs, without the input gradient)."""
 
 
 def capture_sonar_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> Capture | None:
