@@ -446,8 +446,8 @@ otherwise (last bits): Sonar's dense buckets (experts left out) and the twin's (
 do Sonar's expert all-reduce and the twin's bucket. With one tensor per bucket every reduction on both
 sides is of one tensor alone; the arithmetic is then DDP's, bit for bit."""
 EP_FOUR_RANKS = {"num_experts": 8}
-"""Two experts per rank on 4 ranks (tiny-reference has 4: one per rank leaves each rank a (1, out, in)
-tensor, which expert discovery does not take for a batched expert tensor)."""
+"""Two experts per rank on 4 ranks (one expert per rank has its own 2-rank case:
+`distributed_cases_deferred_ep`)."""
 
 
 def deferred_four(rank: int, engine: str) -> dict[str, Any]:

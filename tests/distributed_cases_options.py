@@ -281,6 +281,11 @@ COMPILED_CASES: dict[str, tuple[Case, tuple[Control, ...]]] = {
         Case("ep", GLOBAL, "global", compiler="aot_eager", dtype=torch.bfloat16),
         (),
     ),
+    # As many experts as ranks: each rank's expert tensors are (1, out, in), found in the graph too.
+    "ep/aot_eager/global/one_expert_per_rank": (
+        Case("ep", GLOBAL, "global", compiler="aot_eager", shape=(("num_experts", 2),)),
+        DENSE_ONLY,
+    ),
 }
 WIDE_4 = (*WIDE.items(), ("num_experts", 4))
 """DDP holds every expert: 4 wide ones have the shapes of EP's 8 over 2 ranks (shared compiles)."""

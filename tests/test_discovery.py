@@ -13,6 +13,7 @@ from torch import nn
 
 import sonar_fx
 from sonar_fx import cli
+from sonar_fx.distributed.expert_parallel import ExpertParallelExperts
 from sonar_fx.experts.discovery import structural_layers
 from sonar_fx.experts.report import discovery_report
 from sonar_fx.models import TINY_MODELS, build_model, families
@@ -123,6 +124,25 @@ def test_convolutions_routers_and_mismatched_counts_are_not_experts():
     model = _wrap(conv=conv, conv2=nn.Conv1d(8, 8, 3), router=router, mismatched=mismatched)
     with pytest.raises(sonar_fx.NoExpertsFoundError, match="declare an expert count"):
         sonar_fx.discover_experts(model)
+
+
+def test_an_expert_parallel_shard_of_one_expert_per_rank_is_found_a_plain_one_expert_module_is_not():
+    """As many experts as ranks leaves each rank (1, out, in) tensors. The shard declares its layout
+    (`holds_expert_shard`), so its one local expert is found with its roles; the same tensors and
+    counts on a module that does not declare it are not (a count of 1 is no evidence of experts)."""
+    up, down = torch.zeros(1, 12, 8), torch.zeros(1, 8, 6)
+    shard = ExpertParallelExperts(up.clone(), down.clone(), num_experts=2, group=None)  # type: ignore[arg-type]
+    (layer,) = sonar_fx.discover_experts(_wrap(experts=shard))
+    assert {t.name: t.role for t in layer.tensors} == {
+        "experts.gate_up_proj": "up",
+        "experts.down_proj": "down",
+    }
+    assert layer.layout == "batched" and layer.num_experts == 1
+    undeclared = nn.Module()
+    undeclared.gate_up_proj, undeclared.down_proj = nn.Parameter(up), nn.Parameter(down)
+    undeclared.num_experts, undeclared.global_experts = 1, 2
+    with pytest.raises(sonar_fx.NoExpertsFoundError):
+        sonar_fx.discover_experts(_wrap(experts=undeclared))
 
 
 def test_fused_2d_weights_are_taken_as_their_expert_view():

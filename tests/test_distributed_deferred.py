@@ -2,8 +2,9 @@
 the user's no_sync() accumulation, one clip over every parameter (or the dense ones) and a GradScaler,
 the logged norm the plain clip's; or refused at step() before any weight moves.
 
-One spawn of 2 ranks runs every case (`distributed_cases_deferred`); each rank reports its own
-comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
+One spawn of 2 ranks runs every case (`distributed_cases_deferred`, and its expert-parallel cases
+with one expert per rank and an inf in one rank's experts: `distributed_cases_deferred_ep`); each rank
+reports its own comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import pytest
 import torch
 from distributed_cases_deferred import EXACT, EXACT_EP, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
+from distributed_cases_deferred_ep import ONE_EXPERT_PER_RANK
 
 import sonar_fx
 
@@ -27,7 +29,7 @@ EXPERT_TENSORS = 4  # tiny-olmoe: 2 layers x (gate_up, down)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("deferred")
-    distributed_worker.run("distributed_cases_deferred:deferred", str(out))
+    distributed_worker.run("distributed_cases_deferred_ep:deferred_and_ep_cases", str(out))
     return distributed_worker.results(str(out))
 
 
@@ -96,6 +98,35 @@ def test_deferred_on_expert_parallel_equals_the_plain_engine_with_no_sync_accumu
         check_ep(run, case)
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
     assert len({run["digest"] for run in runs}) == len(runs), "each rank holds its own experts"
+
+
+def test_deferred_on_expert_parallel_with_one_expert_per_rank_equals_the_plain_engine(ranks):
+    """2 experts on 2 ranks: each rank's expert tensors are (1, out, in), found as experts (the shard
+    declares its layout), kept, updated at step() and bitwise the plain engine's."""
+    runs = [r["ep/one_expert_per_rank"] for r in ranks]
+    for run in runs:
+        check_ep(run, ONE_EXPERT_PER_RANK)
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
+    assert len({run["digest"] for run in runs}) == len(runs), "each rank holds its own expert"
+
+
+@pytest.mark.parametrize("clip", ["all", "dense"])
+def test_nonfinite_skip_with_an_inf_in_one_ranks_experts_skips_the_step_on_every_expert_parallel_rank(
+    ranks, clip
+):
+    """An inf in one expert gradient of rank 1 only, with the clip over every parameter or the dense
+    ones: no rank moves a weight that step (the verdict is over every rank; with the dense clip a rank
+    deciding alone left the other waiting in the next collective), the steps around it train, and the
+    run stays bitwise the plain engine that skips the same step."""
+    runs = [r["ep/inf_in_one_ranks_experts" + ("/dense" if clip == "dense" else "")] for r in ranks]
+    for run in runs:
+        assert run["moved"][1] == []  # on the clean rank too
+        assert run["moved"][0] == run["moved"][2] and len(run["moved"][0]) > EXPERT_TENSORS  # they train
+        assert run["skipped_steps"] == 1
+        assert run["differ"] == [], run["differ"][:3]
+    # Each rank says why: the poisoned rank names its expert tensor, the clean one the other rank.
+    (clean,), (poisoned,) = (run["skip_warnings"] for run in runs)
+    assert ".mlp.experts." in poisoned and "another rank" in clean, (poisoned, clean)
 
 
 @pytest.mark.slow

@@ -101,7 +101,8 @@ class ExpertParallelExperts(nn.Module):
     """This rank's El experts of one MoE layer, fed by all-to-all (see the module docstring)."""
 
     holds_expert_shard = True
-    """This rank's share of the experts: a builder must not shard or reduce it again (`model_checks`)."""
+    """This rank's share of the experts: a builder must not shard or reduce it again (`model_checks`),
+    and discovery takes its El experts even when El is 1 (as many experts as ranks: (1, out, in))."""
 
     def __init__(
         self,

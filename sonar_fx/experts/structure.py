@@ -13,8 +13,10 @@ own parameters, tensors laid out per expert:
   with exactly E rows is not taken: routers have that shape too;
 - per-expert biases and other small per-expert tensors: (E, k) or (E,) beside the weights.
 A module with no declared count still counts when it owns two or more 3-D tensors with the same
-leading dimension >= 2 (a user's own experts module). Convolutions never count (their weights are
-3-D). This module only reads modules; it never changes one, and it does not trace the forward.
+leading dimension >= 2 (a user's own experts module). A module that says it holds one rank's share of
+the experts (`holds_expert_shard`, expert parallelism's) counts its local experts, one included: with
+as many experts as ranks each rank's batched weights are (1, out, in). Convolutions never count (their
+weights are 3-D). This module only reads modules; it never changes one, and it does not trace the forward.
 """
 
 from __future__ import annotations
@@ -63,7 +65,19 @@ def find_in_module(module: nn.Module) -> Found | None:
     if is_transformers_experts(module):
         return _transformers_experts(module)
     counts = declared_counts(module)
-    return _batched(module, counts) or (_fused_2d(module, counts) if counts else None)
+    return _batched(module, counts | shard_count(module)) or (_fused_2d(module, counts) if counts else None)
+
+
+def shard_count(module: nn.Module) -> set[int]:
+    """The local expert count (>= 1) of a module that declares it holds one rank's share of the experts.
+
+    A count of 1 is no evidence of experts on an ordinary module (every linear layer holds "one"), so
+    `declared_counts` leaves it out; an expert-parallel shard declares its layout (the class attribute
+    `holds_expert_shard`), and there one local expert per rank is the ordinary case, not a guess."""
+    if getattr(type(module), "holds_expert_shard", False) is not True:
+        return set()
+    local = getattr(module, "num_experts", None)
+    return {local} if isinstance(local, int) and not isinstance(local, bool) and local >= 1 else set()
 
 
 def _own_params(module: nn.Module) -> dict[str, nn.Parameter]:

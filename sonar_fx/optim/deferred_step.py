@@ -144,11 +144,12 @@ def _update(
 
 
 def _skip_for_experts(opt: SonarOptimizer) -> bool:
-    """nonfinite="skip", dense clip: whether an expert norm of the first pass is non-finite (the step
-    then skips whole, the dense half included, before any update)."""
+    """nonfinite="skip", dense clip: whether an expert norm of the first pass is non-finite on any rank
+    (the step then skips whole on every rank, the dense half included, before any update; a rank that
+    skipped alone would leave the others waiting in the next collective)."""
     norms = opt.clipper.current.experts
     bad = [name for name, n in norms.items() if not bool(torch.isfinite(n))]
-    if not bad:
+    if not opt._any_rank(bool(bad)):
         return False
     opt.nonfinite_policy.skip_before_update(bad, opt.stats)
     opt.clipper.skip_step = True

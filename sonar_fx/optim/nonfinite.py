@@ -113,7 +113,8 @@ class NonFinitePolicy:
     def skip_before_update(self, bad: list[str], stats: SonarStats) -> None:
         """The deferred schedule found the non-finite expert gradients `bad` before any update
         (nonfinite="skip"): the step is skipped whole, as if its batches had never been seen."""
-        _count_skip(stats, bad, f"in {_listing(bad)}, found before any update (schedule='deferred')")
+        where = _listing(bad) or "the gradients of another rank"  # the verdict is over every rank
+        _count_skip(stats, bad, f"in {where}, found before any update (schedule='deferred')")
 
     def at_global_norm(
         self,
@@ -130,14 +131,15 @@ class NonFinitePolicy:
         if self.mode == "ignore" or bool(torch.isfinite(total)):  # one sync per step
             return False
         bad = [n for n, v in expert_norms.items() if not bool(torch.isfinite(v))] + dense_bad()
+        where = _listing(bad) or "the gradients of another rank"  # the norm is over every rank's
         if self.mode == "raise":
             raise NonFiniteGradientError(
-                f"non-finite gradients (inf or NaN) in {_listing(bad)} (nonfinite='raise', "
+                f"non-finite gradients (inf or NaN) in {where} (nonfinite='raise', "
                 f"{clip}): found by the norm pass, before any weight or moment was touched. "
                 f"{_ABANDON}, {_SKIP}",
                 bad,
             )
-        _count_skip(stats, [n for n in expert_norms if n in bad], f"in {_listing(bad)}, {clip}")
+        _count_skip(stats, [n for n in expert_norms if n in bad], f"in {where}, {clip}")
         return True
 
 

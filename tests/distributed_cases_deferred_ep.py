@@ -1,0 +1,127 @@
+"""Expert-parallel cases of the deferred schedule's spawn (`test_distributed_deferred`) beside those of
+`distributed_cases_deferred`: one expert per rank, and an inf in one rank's experts only.
+
+With as many experts as ranks each rank holds (1, out, in) expert tensors; expert discovery takes them
+because the experts module declares it holds one rank's share. Under nonfinite="skip", an inf in one
+expert gradient of rank 1 only (kept as an operand until step(); nothing else non-finite) skips the
+step on every rank: the verdict is over every rank, so no rank moves a weight, and the next steps
+train bitwise as the plain engine that skips the same step (its clip's norm is not finite there).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed_cases import differ
+from distributed_cases_deferred import MAX_NORM, MODELS, cfg_for, data_of, deferred, exact
+from distributed_cases_deferred_sharded_scaler import poison_one_expert_
+from distributed_cases_options import ENGINES, ep_global_clip_
+
+import sonar_fx.distributed as sd
+from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.models import build_model
+from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
+
+from helpers import CFG
+
+ONE_EXPERT_PER_RANK = ("fp32", "all", "aot_eager", 2, "ep")
+"""tiny-reference with 2 experts on 2 ranks: each rank's expert tensors are (1, out, in)."""
+ONE_EXPERT_PER_RANK_MODEL = {"num_experts": 2}
+POISONED = (1, 1)
+"""(step, rank): the expert gradient made non-finite."""
+
+
+def inf_in_one_ranks_experts(rank: int, clip: str) -> dict[str, Any]:
+    """nonfinite="skip", the clip over every parameter or the dense ones (`clip`), 2 micro-batches per
+    step: in step 2 rank 1's first kept expert operand holds an inf (`poison_one_expert_`), the dense
+    gradients are finite. The plain engine gets an inf in one expert gradient of rank 1 at the same step
+    and skips the step when torchtitan's norm over every parameter is not finite (dense clip: when any
+    rank's expert gradients are not). Reports the tensors each rank moved in each
+    step, the skip warnings it gave, and the tensors that differ from the plain engine at the end."""
+    data = data_of(rank, 2)
+    torch._dynamo.reset()
+    model = build_model(MODELS["ep"], dtype=torch.float32, seed=0)
+    run = sd.expert_parallel(model, cfg_for(clip), nonfinite="skip", schedule="deferred")
+    opt = run.sonar
+    moved: list[list[str]] = []
+    skips: list[str] = []
+    for step, micro_batches in enumerate(data):
+        backwards(run, micro_batches)
+        if (step, rank) == POISONED:
+            poison_one_expert_(opt)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        skips += [str(w.message) for w in caught if "step skipped" in str(w.message)]
+        opt.zero_grad()
+        moved.append([n for n, p in model.named_parameters() if not torch.equal(p, before[n])])
+    twin = plain_skipping_the_poisoned_step(rank, data, clip)
+    return {
+        "differ": differ(model, twin),
+        "moved": moved,
+        "skip_warnings": skips,
+        "skipped_steps": opt.report()["skipped_steps"],
+    }
+
+
+def backwards(run: Any, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    """The user's loop: DDP's no_sync() on all but the last micro-batch."""
+    for i, b in enumerate(micro_batches):
+        with run.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+            run(**b).loss.backward()
+
+
+def plain_skipping_the_poisoned_step(rank: int, data: list[list[dict]], clip: str) -> torch.nn.Module:
+    """The plain EP engine: experts scaled by 1/world, torchtitan's norm over every parameter (all
+    ranks) or torch's over the dense ones, the step taken only where the norm is finite and (dense clip)
+    no rank's expert gradient holds an inf or NaN; rank 1's first expert gradient gets an inf in the
+    poisoned step."""
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ep"], dtype=torch.float32, seed=0)
+    wrapped = ENGINES["ep"].standard(twin, "eager")
+    ids = ExpertSet.discover(twin).names_by_id()
+    dense = [p for p in twin.parameters() if id(p) not in ids]
+    experts = [p for p in twin.parameters() if id(p) in ids]
+    twin_opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=experts)],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    for step, micro_batches in enumerate(data):
+        backwards(wrapped, micro_batches)
+        for p in experts:
+            p.grad.mul_(ENGINES["ep"].expert_scale)
+        if (step, rank) == POISONED:
+            experts[0].grad[0, 0, 0] = float("inf")
+        if clip == "all":
+            finite = bool(torch.isfinite(ep_global_clip_(dense, experts, MAX_NORM)))
+        else:
+            torch.nn.utils.clip_grad_norm_(dense, MAX_NORM)
+            bad = torch.tensor([float(not all(bool(torch.isfinite(p.grad).all()) for p in experts))])
+            dist.all_reduce(bad)
+            finite = bad.item() == 0
+        if finite:
+            twin_opt.step()
+        twin_opt.zero_grad()
+    return twin
+
+
+def ep_cases(rank: int) -> dict[str, Any]:
+    """These cases; at 2 experts each expert gets most tokens, so its kept operands outgrow its
+    gradient (the crossover: no saving on this tiny shape, said by a warning, as `deferred` has it)."""
+    os.environ[ON_SAVING_LOST_ENV] = "warn"
+    return {
+        "ep/one_expert_per_rank": exact(rank, *ONE_EXPERT_PER_RANK, model_kw=ONE_EXPERT_PER_RANK_MODEL),
+        "ep/inf_in_one_ranks_experts": inf_in_one_ranks_experts(rank, "all"),
+        "ep/inf_in_one_ranks_experts/dense": inf_in_one_ranks_experts(rank, "dense"),
+    }
+
+
+def deferred_and_ep_cases(rank: int) -> dict[str, Any]:
+    """Every case of `distributed_cases_deferred.deferred` and these, in one spawn."""
+    return deferred(rank) | ep_cases(rank)
