@@ -21,7 +21,8 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import Output, Table, mib
-from benchmarks.distributed_deferred import Config, build, per_rank, steps_of
+from benchmarks.distributed_arms import Config, build, steps_of
+from benchmarks.distributed_deferred import per_rank
 from benchmarks.profiles import timeline
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.memory import ExpertGradBytes
