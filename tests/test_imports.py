@@ -121,7 +121,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("sonar_fx.config", "sonar_fx.config_options")),
     ("experts", ("sonar_fx.experts",)),  # discovery, expert kernels, the discovery report
     ("models", ("sonar_fx.models",)),
-    ("measurement", ("sonar_fx.memory", "sonar_fx.measure", "sonar_fx.environment", "sonar_fx.workload")),
+    ("measurement", ("sonar_fx.memory", "sonar_fx.memory_live", "sonar_fx.measure", "sonar_fx.environment",
+                     "sonar_fx.workload")),
     ("optim", ("sonar_fx.optim",)),  # the update math and SonarOptimizer
     ("backend", ("sonar_fx.backend", "sonar_fx.compiled")),
     ("api", ("sonar_fx.api", "sonar_fx")),  # sonar_fx.compile / prepare, and the package's exports
