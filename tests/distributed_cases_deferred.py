@@ -104,6 +104,19 @@ def record_before_step(opt: Any, seen: dict) -> None:
     seen["biggest_expert"] = max(p.numel() * p.element_size() for p in experts)
 
 
+def plain_adamw(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], torch.optim.AdamW]:
+    """The plain twin's dense and expert parameters and its fused AdamW over [dense, experts], with the
+    suite's hyper-parameters (`helpers.CFG`)."""
+    ids = ExpertSet.discover(model).names_by_id()
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    experts = [p for p in model.parameters() if id(p) in ids]
+    opt = torch.optim.AdamW(
+        [dict(params=dense), dict(params=experts)],
+        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
+    )  # fmt: skip
+    return dense, experts, opt
+
+
 def train_plain(
     engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], sync: str = "last",
     ddp_kwargs: dict | None = None, model_kw: dict | None = None,
@@ -119,13 +132,7 @@ def train_plain(
         run = wrapped if compiler == "eager" else torch.compile(wrapped, backend=compiler)
     else:
         run = wrapped = ENGINES["ep"].standard(model, compiler)
-    experts = ExpertSet.discover(model).names_by_id()
-    dense = [p for p in model.parameters() if id(p) not in experts]
-    expert_params = [p for p in model.parameters() if id(p) in experts]
-    opt = torch.optim.AdamW(
-        [dict(params=dense), dict(params=expert_params)],
-        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
-    )  # fmt: skip
+    dense, expert_params, opt = plain_adamw(model)
     norms = []
     for micro_batches in data:
         for i, b in enumerate(micro_batches):
@@ -235,13 +242,7 @@ def train_plain_scaled(
     torch._dynamo.reset()
     twin = build_model(MODELS[engine], dtype=torch.float32, seed=0)
     wrapped = DDP(twin) if engine == "ddp" else ENGINES["ep"].standard(twin, "eager")
-    experts = ExpertSet.discover(twin).names_by_id()
-    dense = [p for p in twin.parameters() if id(p) not in experts]
-    expert_params = [p for p in twin.parameters() if id(p) in experts]
-    twin_opt = torch.optim.AdamW(
-        [dict(params=dense), dict(params=expert_params)],
-        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
-    )  # fmt: skip
+    dense, expert_params, twin_opt = plain_adamw(twin)
     theirs = torch.amp.GradScaler("cpu", **SCALER)
     for n, micro_batches in enumerate(steps):
         scaled_backwards(wrapped, theirs, micro_batches)

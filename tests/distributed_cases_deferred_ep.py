@@ -18,16 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from distributed_cases import differ
-from distributed_cases_deferred import MAX_NORM, MODELS, cfg_for, data_of, deferred, exact
+from distributed_cases_deferred import MAX_NORM, MODELS, cfg_for, data_of, deferred, exact, plain_adamw
 from distributed_cases_deferred_sharded_scaler import poison_one_expert_
 from distributed_cases_options import ENGINES, ep_global_clip_
 
 import sonar_fx.distributed as sd
-from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
-
-from helpers import CFG
 
 ONE_EXPERT_PER_RANK = ("fp32", "all", "aot_eager", 2, "ep")
 """tiny-reference with 2 experts on 2 ranks: each rank's expert tensors are (1, out, in)."""
@@ -85,13 +82,7 @@ def plain_skipping_the_poisoned_step(rank: int, data: list[list[dict]], clip: st
     torch._dynamo.reset()
     twin = build_model(MODELS["ep"], dtype=torch.float32, seed=0)
     wrapped = ENGINES["ep"].standard(twin, "eager")
-    ids = ExpertSet.discover(twin).names_by_id()
-    dense = [p for p in twin.parameters() if id(p) not in ids]
-    experts = [p for p in twin.parameters() if id(p) in ids]
-    twin_opt = torch.optim.AdamW(
-        [dict(params=dense), dict(params=experts)],
-        lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay, fused=True,
-    )  # fmt: skip
+    dense, experts, twin_opt = plain_adamw(twin)
     for step, micro_batches in enumerate(data):
         backwards(wrapped, micro_batches)
         for p in experts:

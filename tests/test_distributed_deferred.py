@@ -182,14 +182,22 @@ def test_grad_scaler_fp16_autocast_with_overflowing_steps_equals_the_plain_engin
     torchtitan's norm, each expert counted once, the inf verdict over every rank) and `scaler.step`,
     each step's scale and the logged norm of each step taken included."""
     for r in ranks:
-        run = r["grad_scaler" if engine == "ddp" else "grad_scaler/ep"]
-        assert run["differ"] == [], run["differ"][:3]
-        ours, theirs = zip(*run["scales"], strict=True)
-        assert ours == theirs
-        assert any(b < a for a, b in itertools.pairwise(theirs)), theirs  # a step overflowed: backed off
-        stepped = [n for n in run["norms"] if math.isfinite(n[1])]
-        assert len(stepped) >= 2 and all(o == t for o, t in stepped), run["norms"]
-        assert all(n[1] > MAX_NORM for n in stepped)  # the clip is active on every step taken
+        check_scaler_run(
+            r["grad_scaler" if engine == "ddp" else "grad_scaler/ep"], steps_taken=2, max_norm=MAX_NORM
+        )
+
+
+def check_scaler_run(run: dict, steps_taken: int, max_norm: float) -> None:
+    """A GradScaler case against its plain twin: every tensor equal, the same scale after each step
+    (backed off at least once), the same logged norm on each of at least `steps_taken` steps taken,
+    each above the clip's threshold `max_norm`."""
+    assert run["differ"] == [], run["differ"][:3]
+    ours, theirs = zip(*run["scales"], strict=True)
+    assert ours == theirs
+    assert any(b < a for a, b in itertools.pairwise(theirs)), theirs  # a step overflowed: backed off
+    stepped = [n for n in run["norms"] if math.isfinite(n[1])]
+    assert len(stepped) >= steps_taken and all(o == t for o, t in stepped), run["norms"]
+    assert all(n[1] > max_norm for n in stepped)  # the clip is active on every step taken
 
 
 def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):

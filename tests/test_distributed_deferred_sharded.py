@@ -9,11 +9,9 @@ One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 wi
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import pytest
 from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
+from test_distributed_deferred import check_scaler_run
 
 import sonar_fx
 
@@ -81,14 +79,7 @@ def test_grad_scaler_with_overflow_equals_plain_fsdp2_with_the_scaler_and_clip(r
     every parameter: bitwise the plain engine with `scaler.unscale_`, `clip_grad_norm_`, `scaler.step`
     (every parameter's full_tensor, each step's scale), on FSDP2 and FSDP2 x EP (2x1 and 1x2 grids)."""
     for r in ranks:
-        run = r[f"grad_scaler/{grid}"]
-        assert run["differ"] == [], run["differ"][:3]
-        ours, theirs = zip(*run["scales"], strict=True)
-        assert ours == theirs
-        assert any(b < a for a, b in itertools.pairwise(theirs)), theirs  # a step overflowed: backed off
-        stepped = [n for n in run["norms"] if math.isfinite(n[1])]
-        assert len(stepped) >= 3 and all(ours == theirs for ours, theirs in stepped), run["norms"]
-        assert all(n[1] > MAX_NORM for n in stepped)  # the clip is active on every step taken
+        check_scaler_run(r[f"grad_scaler/{grid}"], steps_taken=3, max_norm=MAX_NORM)
 
 
 @pytest.mark.parametrize("grid", ["fsdp2", "ep12"])
