@@ -75,7 +75,7 @@ class NonFinitePolicy:
         if not any_rank(bool(bad)):
             return None
         done = [n for n in updated if n not in bad]
-        where = _listing(bad) or "expert tensors of another rank"
+        where = _listing(bad, none="expert tensors of another rank")
         return NonFiniteGradientError(
             f"non-finite expert gradients (inf or NaN) in {where} "
             f"(nonfinite='raise'): their weights and moments are untouched. {len(done)} expert tensor(s) "
@@ -113,8 +113,7 @@ class NonFinitePolicy:
     def skip_before_update(self, bad: list[str], stats: SonarStats) -> None:
         """The deferred schedule found the non-finite expert gradients `bad` before any update
         (nonfinite="skip"): the step is skipped whole, as if its batches had never been seen."""
-        where = _listing(bad) or "the gradients of another rank"  # the verdict is over every rank
-        _count_skip(stats, bad, f"in {where}, found before any update (schedule='deferred')")
+        _count_skip(stats, bad, f"in {_listing(bad)}, found before any update (schedule='deferred')")
 
     def at_global_norm(
         self,
@@ -131,7 +130,7 @@ class NonFinitePolicy:
         if self.mode == "ignore" or bool(torch.isfinite(total)):  # one sync per step
             return False
         bad = [n for n, v in expert_norms.items() if not bool(torch.isfinite(v))] + dense_bad()
-        where = _listing(bad) or "the gradients of another rank"  # the norm is over every rank's
+        where = _listing(bad)
         if self.mode == "raise":
             raise NonFiniteGradientError(
                 f"non-finite gradients (inf or NaN) in {where} (nonfinite='raise', "
@@ -172,7 +171,10 @@ def _caller_level() -> int:
     return level
 
 
-def _listing(names: Sequence[str]) -> str:
+def _listing(names: Sequence[str], none: str = "the gradients of another rank") -> str:
+    """Up to four of `names`; `none` where this rank found none (the verdict is over every rank)."""
+    if not names:
+        return none
     return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
 
 
