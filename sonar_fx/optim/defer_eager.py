@@ -2,8 +2,9 @@
 
 While an experts module, or a module owning an expert tensor, runs its forward (a pre-hook enters
 `DeferGemms`, a hook leaves it), a GEMM whose weight operand is an owned expert tensor, a view of it,
-or rows or a slice read off it (each path: `defer_eager_paths`; the per-expert forms, rows of
-per-expert vectors and embedding gathers: `defer_eager_forms`) runs on the DETACHED weight, so
+a copy of it cast to another dtype, or rows or a slice read off it (each path: `defer_eager_paths`; the
+per-expert forms, rows of per-expert vectors and embedding gathers: `defer_eager_forms`) runs on the
+DETACHED weight, so
 autograd computes the input gradient exactly as before and no weight gradient at all; a node after
 the GEMM receives dy when backward reaches it and hands the operands of autograd's weight gradient
 to the owner, with the recipe that computes it again.

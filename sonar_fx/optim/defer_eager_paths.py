@@ -7,6 +7,9 @@ or None where the call is not one it knows (autograd then computes that gradient
 recipe repeats autograd's own derivative ops on the same operands (torch's derivatives.yaml), so the
 gradient is bitwise autograd's:
 - `torch._grouped_mm` on the weight or its transpose (transformers' grouped_mm): one grouped GEMM;
+  on a copy of the weight cast to another dtype, or its transpose (torchtitan's experts with fp32
+  weights: `w.bfloat16().transpose(-2, -1)`): the same GEMM in the copy's dtype, then ToCopyBackward's
+  cast back to the parameter's;
 - `sonar_fx::grouped_mm` (the reference model's kernel): its backward op, weight output;
 - `bmm` on gathered rows `W[ids]` (transformers' batched_mm): `dy.bmm(x^T)` (or `x^T.bmm(dy)` for a
   transposed layout), then IndexBackward's zero-filled, accumulating `_index_put_impl_` in slot order;
@@ -18,6 +21,7 @@ Pure torch over what the call hands over; never updates a weight.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,21 +90,68 @@ def capture_grouped_mm(func: Callable[..., Any], args: Any, kwargs: dict[str, An
     offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
     if not isinstance(w, Tensor) or not isinstance(x, Tensor) or offs is None or x.dim() != 2:
         return None
-    found = deferred_param(w)
+    found = _grouped_mm_weight(w)
     if found is None:
-        return None
-    param = found[0]
-    if w is param:
-        transposed = False
-    elif w.shape == param.transpose(-2, -1).shape and w.stride() == param.transpose(-2, -1).stride():
-        transposed = True
-    else:
         return None  # another view of the weight: autograd keeps its gradient whole
+    param, transposed, cast = found
     y = func(x, w.detach(), *args[2:], **kwargs)
     # (dy^T, x) for a transposed weight: the gradient comes out in the parameter's own layout, so the
     # step never copies it to another (one gradient alive, not two).
     operands = _transposed_operands if transposed else _plain_operands
-    return Capture(y, param, (x.detach(), offs), Keep(_GROUPED_MM_RECIPE, operands))
+    recipe = _cast_back_program(str(param.dtype), str(param.device)) if cast else _GROUPED_MM_RECIPE
+    return Capture(y, param, (x.detach(), offs), Keep(recipe, operands))
+
+
+def _grouped_mm_weight(w: Tensor) -> tuple[Tensor, bool, bool] | None:
+    """(param, transposed, cast) when `w` is a deferred expert parameter or its transpose (`cast`
+    False), or a copy of it cast to another dtype, or that copy's transpose (`cast` True: torchtitan's
+    experts read fp32 weights as `w.bfloat16().transpose(-2, -1)`)."""
+    found = deferred_param(w)
+    if found is not None:
+        source = param = found[0]
+        cast = False
+    else:
+        source = w._base if w._base is not None else w
+        param = _cast_from(source)
+        if param is None:
+            return None
+        cast = True
+    if w is source:
+        return param, False, cast
+    flipped = source.transpose(-2, -1)
+    if w.shape == flipped.shape and w.stride() == flipped.stride():
+        return param, True, cast
+    return None
+
+
+def _cast_from(copy: Tensor) -> Tensor | None:
+    """The deferred parameter `copy` was cast from (`param.to(dtype)`, `param.bfloat16()`: autograd's
+    ToCopyBackward0 straight onto the parameter's AccumulateGrad), where the copy has the parameter's
+    shape, strides and device (so its gradient, cast back, is laid out as the parameter's) and both
+    dtypes are real floating point (the cast back is then `to(dtype)` alone)."""
+    fn = copy.grad_fn
+    if copy._base is not None or fn is None or fn.name() != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    param = getattr(fn.next_functions[0][0], "variable", None)
+    if not isinstance(param, Tensor) or param._base is not None or deferred_param(param) is None:
+        return None
+    same_layout = copy.shape == param.shape and copy.stride() == param.stride()
+    floating = copy.dtype.is_floating_point and param.dtype.is_floating_point
+    return param if same_layout and copy.device == param.device and floating else None
+
+
+@functools.cache
+def _cast_back_program(dtype: str, device: str) -> str:
+    """The grouped GEMM's weight gradient (`_GROUPED_MM_RECIPE`, in the copy's dtype), then autograd's
+    ToCopyBackward0 (`_to_copy_backward`: `grad.to(param.options())`, i.e. `_to_copy` to the parameter's
+    dtype, layout and device): the gradient autograd accumulates into the parameter, bit for bit."""
+    gemm = ("aten._grouped_mm.default", [{"operand": 0}, {"operand": 1}], {"offs": {"operand": 2}})
+    options = {
+        "dtype": {"dtype": dtype.removeprefix("torch.")},
+        "layout": {"layout": "strided"},
+        "device": {"device": device},
+    }
+    return Program([gemm, ("aten._to_copy.default", [{"step": 0}], options)]).to_json()
 
 
 def _plain_operands(dy: Tensor, saved: tuple[Tensor, ...]) -> list[Tensor]:
