@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
+from sonar_fx.passes.placed_sum import PlacedSum
 from sonar_fx.passes.scatter_chunks import ScatteredProduct, readers_of
 
 
@@ -97,9 +98,14 @@ class Program:
     scattered: ScatteredProduct | None = field(init=False, repr=False, compare=False)
     """A bmm product the program scatters into its gradient (batched_mm), which `run` computes a few
     experts at a time rather than whole (`sonar_fx.passes.scatter_chunks`)."""
+    placed: PlacedSum | None = field(init=False, repr=False, compare=False)
+    """A sum of slice gradients each placed in zeros (a per-expert loop dynamo unrolled), which `run`
+    computes and adds one slice at a time (`sonar_fx.passes.placed_sum`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scattered", ScatteredProduct.find(self.steps))
+        whole = self.into is None and self.scattered is None
+        object.__setattr__(self, "placed", PlacedSum.find(self.steps, self.result) if whole else None)
 
     def to_json(self) -> str:
         data = {"steps": self.steps, "result": self.result, "into": self.into}
@@ -107,6 +113,8 @@ class Program:
 
     def run(self, operands: Sequence[Tensor]) -> Tensor:
         """The gradient, from the kept operands (the ops in order, as the graph or autograd ran them)."""
+        if self.placed is not None:
+            return self.placed.run(functools.partial(self._step, operands))
         scattered = self.scattered
         values: list[Any] = []
         product: list[Any] = []
@@ -123,6 +131,12 @@ class Program:
             else:
                 values.append(fn(*args, **kwargs))
         return values[self.result]
+
+    def _step(self, operands: Sequence[Tensor], values: Mapping[int, Any], i: int) -> Any:
+        """Step i's result, the results it reads in `values`."""
+        name, args, kwargs = self.steps[i]
+        fn = operator.getitem if name == "getitem" else op_named(name)
+        return fn(*_decode(args, operands, values), **_decode(kwargs, operands, values))
 
 
 @functools.cache
@@ -329,7 +343,7 @@ def _encode(value: Any, operands: list[Node], steps: dict[Node, int] | None = No
 _CONSTANTS = {"dtype": torch, "layout": torch, "memory_format": torch}
 
 
-def _decode(value: Any, operands: Sequence[Tensor], values: Sequence[Any]) -> Any:
+def _decode(value: Any, operands: Sequence[Tensor], values: Sequence[Any] | Mapping[int, Any]) -> Any:
     if isinstance(value, list):
         return [_decode(v, operands, values) for v in value]
     if isinstance(value, dict):
