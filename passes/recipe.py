@@ -192,18 +192,30 @@ def build_recipe(producer: Node, grad: Node) -> tuple[Recipe, list[Node]]:
 
 def needs_program(recipe_operands: list[Node], chain: set[Node]) -> bool:
     """Whether a single-op recipe would keep a tensor the backward computes for this gradient alone
-    (a non-view node all of whose users are in `chain`, the gradient's producer and views): then the
-    recipe would hold what the graph frees at once (batched_mm: the product of its bmm, one expert-sized
-    slab per routed token), and a `Program` recomputes it from what the graph holds anyway. One output
-    of a multi-output op whose other outputs the graph reads (sonicmoe's activation backward: dx and
-    a') is not: a program would run the whole op again and keep all its inputs; keeping that output is
-    less."""
-    return any(
-        n.op == "call_function"
-        and not is_view_node(n)
-        and all(u in chain for u in n.users)
-        and not _one_of_several_outputs(n)
-        for n in recipe_operands
+    (a non-view node all of whose users are in `chain`, the gradient's producer and views, or are views
+    read by it alone on the way to the operand): then the recipe would hold what the graph frees at once
+    (batched_mm: the product of its bmm, one expert-sized slab per routed token; an expert read through
+    a cast, torchtitan's fp32 weights: the whole bf16 gradient under the cast back, as a transposed
+    view), and a `Program` recomputes it from what the graph holds anyway. One output of a multi-output
+    op whose other outputs the graph reads (sonicmoe's activation backward: dx and a') is not: a program
+    would run the whole op again and keep all its inputs; keeping that output is less."""
+    return any(_computed_alone(n, chain) for n in recipe_operands)
+
+
+def _computed_alone(operand: Node, chain: set[Node]) -> bool:
+    """`operand`, or the tensor it is a view of, is computed for the gradient `chain` ends in alone."""
+    readers, node = set(chain), operand
+    while node.op == "call_function" and is_view_node(node) and all(u in readers for u in node.users):
+        readers.add(node)
+        base = node.args[0]
+        if not isinstance(base, Node):
+            return False
+        node = base
+    return (
+        node.op == "call_function"
+        and not is_view_node(node)
+        and all(u in readers for u in node.users)
+        and not _one_of_several_outputs(node)
     )
 
 

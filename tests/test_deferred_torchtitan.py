@@ -106,7 +106,7 @@ CASES = [
     # operands, and the recipe is that GEMM, then ToCopyBackward's cast back to fp32
     pytest.param("eager", torch.float32, id="eager-fp32"),
     pytest.param("aot_eager", torch.bfloat16, id="aot_eager-bf16"),
-    # compiled fp32: the recipe ends in the cast back to fp32
+    # compiled fp32: the recipe is a program (the grouped GEMM, its transposes, the cast back to fp32)
     pytest.param("aot_eager", torch.float32, id="aot_eager-fp32"),
 ]
 
@@ -118,7 +118,16 @@ def test_torchtitan_moe_keeps_operands_and_is_its_standard_run(compiler, dtype):
     initial = copy.deepcopy(twin_model.state_dict())
     data = token_batches(1 + ACCUM)
 
-    step(model, opt, twin, data[:1])  # one micro-batch (below the crossover): operands kept, not gradients
+    # One micro-batch (below the crossover): operands kept, not gradients (nor the bf16 gradient under
+    # the cast back, which a recipe of the cast alone would keep: every kept operand is 2-D or less).
+    ids, labels = data[0]
+    model(ids, labels).backward()
+    kept_shapes = [tuple(o.shape) for e in opt.deferred.entries() for o in e.operands]
+    assert len(opt.deferred.entries()) == 3 and max(map(len, kept_shapes)) <= 2, kept_shapes
+    twin.run(ids, labels).backward()
+    opt.step()
+    opt.zero_grad()
+    twin.step()
     bounds = ExpertGradBytes.of(opt.expert_layers)
     kept = opt.report()["deferred"]["kept_operand_peak"]
     assert kept > 0 and kept + max(bounds.tensor_sizes) < bounds.total, (kept, bounds)
