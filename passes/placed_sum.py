@@ -68,9 +68,10 @@ class PlacedSum:
     @staticmethod
     def find(steps: Sequence[Step], result: int) -> PlacedSum | None:
         """The placed sum `steps` computes as step `result`, or None where the program has another form."""
+        if not steps:
+            return None
         readers = readers_of(steps)
-        result = result % len(steps) if steps else result
-        chain = _chain(steps, readers, result)
+        chain = _chain(steps, readers, result % len(steps))
         if chain is None or len(chain) < 2:
             return None
         terms, sizes = [], None
@@ -110,7 +111,7 @@ class PlacedSum:
             assert product.dtype == total.dtype, "one sum's slices in two dtypes: not a chain of one weight"
             total.select(term.dim, term.index).add_(product)
             del product
-            _release(term.product, values, left, self.reads)
+            _release(term.product, values, left)
         assert total is not None
         return total
 
@@ -171,10 +172,10 @@ def _compute(
         _compute(j, values, left, reads, compute)
     values[step] = compute(values, step)
     for j in reads[step]:
-        _release(j, values, left, reads)
+        _release(j, values, left)
 
 
-def _release(step: int, values: Values, left: dict[int, int], reads: dict[int, tuple[int, ...]]) -> None:
+def _release(step: int, values: Values, left: dict[int, int]) -> None:
     """One read of `step` done: its result freed after its last reader."""
     left[step] -= 1
     if left[step] == 0:
