@@ -150,10 +150,8 @@ DEFERRED = "sonar_deferred_global_clip"
 
 def planned_peaks(cfg: Config, engine: str) -> dict[str, int]:
     """`sonar-fx plan --parallel ENGINE --world N`'s per-rank peaks of the plain (`standard`: clip over
-    every parameter) and the deferred step, by method ({}: the engine is not planned). Planned in the
-    launching process: a plan starts no process group and runs in none."""
-    if engine == "fsdp2":
-        return {}
+    every parameter) and the deferred step, by method. Planned in the launching process, which has no
+    process group (FSDP2's plan makes a fake one of its own, and destroys it)."""
     planned = plan(
         _shape_config(cfg), batch=cfg.batch, seq=cfg.seq, dtype=getattr(torch, cfg.dtype),
         opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM), methods=("standard", DEFERRED), device="cpu",
