@@ -20,8 +20,9 @@ with what the engine changes on a rank (DDP, expert parallelism), or the engine'
   its forward to its reshard (the next group's prefetched in backward), the unsharded gradients the
   loop's `set_requires_gradient_sync(False)` micro-batches accumulate, the reduce-scatter buffers; and
   the deferred step's kept operands and each expert gradient's reduce-scatter in flight while the next
-  is computed. Rank 0 is planned: `fully_shard` gives the first ranks the larger shards (dim 0 split
-  as `torch.chunk` splits it), so its peak is the largest of the ranks'.
+  is computed. Rank 0 is planned, the holder of the largest shards (`fully_shard` splits dim 0 as
+  `torch.chunk` does); another rank differs by its smaller shards and by when a gloo thread lets go of
+  a collective's buffer (0.1% on the measured step, `benchmarks.distributed_deferred --plan`).
 Never: start a process group that communicates, or plan what the engine does not run.
 """
 
