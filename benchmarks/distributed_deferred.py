@@ -13,7 +13,7 @@ sides (DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync(False)`; on all but 
   engine is graded against what the design predicts: the expert-gradient bytes the plain engine holds
   on the rank, less the two expert tensors the pipelined step holds (one in flight, one being
   computed), less the kept operands. The planner's per-rank peak (`sonar_fx.plan(..., parallel=engine,
-  world=world)`; DDP and EP) is graded against the measured one;
+  world=world)`; DDP, EP and FSDP2) is graded against the measured one;
 - time (paired ratios over `rounds` rounds, arms interleaved): the dense-only clip (one pass) and the
   clip over all parameters (a norm pass that computes every expert gradient once more: the extra
   weight-gradient GEMMs, timed apart by recomputing every gradient once from the kept operands, are
@@ -150,16 +150,25 @@ DEFERRED = "sonar_deferred_global_clip"
 
 def planned_peaks(cfg: Config, engine: str) -> dict[str, int]:
     """`sonar-fx plan --parallel ENGINE --world N`'s per-rank peaks of the plain (`standard`: clip over
-    every parameter) and the deferred step, by method ({}: the engine is not planned). Planned in the
-    launching process: a plan starts no process group and runs in none."""
-    if engine == "fsdp2":
-        return {}
-    planned = plan(
+    every parameter) and the deferred step, by method. Planned in the launching process, which has no
+    process group (FSDP2's plan makes a fake one of its own, and destroys it), with the one torch
+    thread each rank runs (`_rank_main`): the CPU matmul scratch the plan counts is measured on this
+    host and depends on the threads (`sonar_fx.planner.scratch`; none with one thread here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        planned = _plan(cfg, engine)
+    finally:
+        torch.set_num_threads(threads)
+    return {m.method: m.peak_allocated_bytes for m in planned.methods}
+
+
+def _plan(cfg: Config, engine: str) -> Any:
+    return plan(
         _shape_config(cfg), batch=cfg.batch, seq=cfg.seq, dtype=getattr(torch, cfg.dtype),
         opt_cfg=AdamWConfig(lr=1e-3, max_grad_norm=MAX_NORM), methods=("standard", DEFERRED), device="cpu",
         grad_accum=cfg.accum, parallel=engine, world=cfg.world,
     )  # fmt: skip
-    return {m.method: m.peak_allocated_bytes for m in planned.methods}
 
 
 def _shape_config(cfg: Config) -> Any:
@@ -301,8 +310,9 @@ def plan_table(rows: list[MemoryRow]) -> Table:
         "counted: the live storages' peak (the memory table's); profiled: bytes alive at the start + the CPU "
         "profiler's transient peak, on the same step (it misses frees on gloo's threads and holds kernel "
         "scratch inside an op, which the count does not see); planned: `sonar-fx plan --parallel ENGINE "
-        "--world N` (standard for plain, sonar_deferred_global_clip for deferred; device cpu), its error "
-        "against counted; frees elsewhere: storages the deferred step freed on another thread."
+        "--world N` (standard for plain, sonar_deferred_global_clip for deferred; device cpu, one torch "
+        "thread as each rank runs), its error against counted; frees elsewhere: storages the deferred step "
+        "freed on another thread."
     )
     headers = ["engine", "rank", "arm", "counted MiB", "profiled MiB", "profiled - counted", "planned MiB",
                "plan error", "frees elsewhere"]  # fmt: skip

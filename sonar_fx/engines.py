@@ -219,18 +219,23 @@ class FSDP2Engine(_Distributed):
     name: str = "fsdp2"
     sharded: bool = True
     local_state: bool = True
+    mesh: Any = None
+    """The device mesh `fully_shard` shards over (None: its default, every rank of the default process
+    group). The planner gives one made before its fake tensor mode, which cannot build a mesh."""
 
     def _setup(
         self, model: nn.Module, cfg: OptimizerConfig, compiler: str, experts: Experts, options: dict[str, Any]
     ) -> nn.Module:
         import sonar_fx.distributed as sd
 
+        if self.mesh is not None:
+            options = {"fully_shard_kwargs": {"mesh": self.mesh}, **options}
         return sd.fsdp2(model, cfg, compiler=compiler, experts=experts, **options)  # type: ignore[arg-type]
 
     def wrap(self, model: nn.Module, compiler: str) -> Run:
         import sonar_fx.distributed as sd
 
-        sd.fully_shard_experts(model)
+        sd.fully_shard_experts(model, **({} if self.mesh is None else {"mesh": self.mesh}))
         _compile_blocks(model, compiler)
         return model
 

@@ -1,17 +1,20 @@
-"""`sonar-fx plan --parallel ddp|ep --world N`: one rank of a parallel run, planned from the one-process
-step with what the engine changes on a rank (`sonar_fx.planner.parallel`). The measured 2-rank step it
-is held to (within 3%) is `benchmarks.distributed_deferred`'s, counted by `LiveStorageMeter` (frees on
-every thread); here, the plan's arithmetic on a tiny config and what the meter counts.
+"""`sonar-fx plan --parallel ddp|ep|fsdp2 --world N`: one rank of a parallel run, planned from the
+one-process step with what the engine changes on a rank, or (FSDP2) from the engine's own step on a fake
+process group (`sonar_fx.planner.parallel`). The measured 2-rank step it is held to (within 3%) is
+`benchmarks.distributed_deferred`'s, counted by `LiveStorageMeter` (frees on every thread); here, the
+plan's arithmetic on a tiny config and what the meter counts.
 """
 
 import json
+import math
 import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sonar_fx.cli import main
-from sonar_fx.config import AdamWConfig
+from sonar_fx.config import AdamWConfig, ConfigFieldError
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.memory import ExpertGradBytes, measure_peak
 from sonar_fx.memory_live import LiveStorageMeter
@@ -20,6 +23,7 @@ from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import PlanError, plan
 from sonar_fx.planner.models import model_source
 from sonar_fx.planner.parallel import Layout
+from sonar_fx.planner.planning import default_methods
 
 SHAPE = dict(num_experts=8, num_experts_per_tok=2, hidden_size=32, intermediate_size=32, num_hidden_layers=2)
 DEFERRED = "sonar_deferred_global_clip"
@@ -80,8 +84,8 @@ def test_an_expert_parallel_rank_holds_its_share_of_the_experts():
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
-        (dict(parallel="fsdp2", world=2), "sharded step .* is not modelled"),
         (dict(world=2), "--parallel"),
+        (dict(parallel="fsdp2", world=1), "2 or more ranks"),
         (dict(parallel="ddp", world=1), "2 or more ranks"),
         (dict(parallel="ep", world=3), "divide evenly"),
     ],
@@ -99,6 +103,63 @@ def test_the_cli_plans_a_rank(capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["parallel"], out["world"]) == ("ddp", 2)
     assert out["methods"][0]["peak_allocated_bytes"] > out["methods"][0]["step_start_bytes"]
+
+
+# --------------------------------------------------------------------------------- an FSDP2 rank
+
+
+@pytest.fixture(scope="module")
+def fsdp2_plan():
+    return plan(tiny_config("tiny-olmoe", **SHAPE), methods=("standard", DEFERRED), parallel="fsdp2", world=2,
+                **KW)  # fmt: skip
+
+
+def _rank0_bytes(world: int) -> int:
+    """Rank 0's shard of every parameter (world 1: every parameter whole): `fully_shard` splits dim 0 as
+    `torch.chunk` does, the first ranks taking ceil(rows / world) rows."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, **SHAPE)
+    params = list(model.parameters())
+    return sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
+
+
+def test_an_fsdp2_rank_starts_with_its_shards_of_weights_and_both_adamw_moments(plans, fsdp2_plan):
+    """The one process holds every weight and both AdamW moments of it; FSDP2's rank 0 holds its shard of
+    each, three times (the moments are the shard's shape): the rest (step counters, the batch) is the
+    same. Both methods start alike, Sonar's expert moments sharded as plain FSDP2's are."""
+    whole, shards = _rank0_bytes(1), _rank0_bytes(2)
+    assert whole // 2 < shards < whole  # (odd row counts: rank 0 takes the larger half)
+    expected = plans[None].method(DEFERRED).step_start_bytes - 3 * (whole - shards)
+    for method in ("standard", DEFERRED):
+        assert fsdp2_plan.method(method).step_start_bytes == expected, method
+
+
+def test_a_plain_fsdp2_rank_holds_every_unsharded_gradient_of_the_unsynced_micro_batches(fsdp2_plan):
+    """Under `set_requires_gradient_sync(False)` FSDP2 keeps each parameter's whole (unsharded) gradient
+    until the synced backward: the plain step's peak holds at least all of them beside the shards; the
+    deferred step keeps operands for the experts instead, and peaks lower."""
+    whole = _rank0_bytes(1)
+    plain, deferred = fsdp2_plan.method("standard"), fsdp2_plan.method(DEFERRED)
+    assert plain.peak_allocated_bytes >= plain.step_start_bytes + whole
+    assert deferred.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert deferred.kept_operand_bytes > 0
+    assert (fsdp2_plan.parallel, fsdp2_plan.world) == ("fsdp2", 2)
+
+
+def test_an_fsdp2_plan_leaves_no_process_group_and_refuses_to_run_inside_one():
+    """The plan's fake process group is destroyed after it, also when a method is refused (FSDP2 runs no
+    oib_all: refused by name, and left out of the default methods); inside a process group of the
+    caller's, the plan is refused before it makes one."""
+    config = tiny_config("tiny-olmoe", **SHAPE)
+    assert "oib_all" not in default_methods("fsdp2") and "oib_all" in default_methods("ddp")
+    with pytest.raises(ConfigFieldError, match="'oib_all' is not available on the fsdp2 engine"):
+        plan(config, methods=("oib_all",), parallel="fsdp2", world=2, **KW)
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        with pytest.raises(PlanError, match="has a process group already"):
+            plan(config, methods=("standard",), parallel="fsdp2", world=2, **KW)
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------- the measurement the plan is held to

@@ -44,6 +44,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from sonar_fx.optim import grad_watch
+
 aten = torch.ops.aten
 KNOWN_NUMEL_LIMIT = 4096
 """Values are followed only for tensors this small: flags, norms and their stacks, never activations."""
@@ -77,6 +79,8 @@ class PlanFakeMode(FakeTensorMode):
         if func is aten._grouped_mm.default and args[0].dtype == torch.float32:
             return self._grouped_mm_fp32(types, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented:  # a tensor subclass's op (FSDP2's DTensors): dispatched again, unwrapped
+            return out
         if _is_finiteness_test(func, args) and isinstance(out, Tensor):
             with _disable_current_modes():
                 self._remember(out, torch.ones(out.shape, dtype=torch.bool))
@@ -221,6 +225,15 @@ def real_step_paths() -> Iterator[None]:
             stack.callback(setattr, masking, "is_tracing", real_is_tracing)
         torch.compile = plan_compile
         stack.callback(setattr, torch, "compile", real_compile)
+        real_rewritten = grad_watch.rewritten
+
+        def unwritten(params: Any, before: Any) -> list[Tensor]:
+            # FSDP2's dense shards: the watch compares their norms at step() with backward's; a planned
+            # step writes none in between (its norms are computed, their comparison is known)
+            return real_rewritten(params, {})
+
+        setattr(grad_watch, "rewritten", unwritten)  # noqa: B010
+        stack.callback(setattr, grad_watch, "rewritten", real_rewritten)
         yield
 
 

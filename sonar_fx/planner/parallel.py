@@ -1,7 +1,7 @@
-"""Planning one rank of a data-parallel or expert-parallel run (`sonar-fx plan --parallel ... --world N`).
+"""Planning one rank of a parallel run (`sonar-fx plan --parallel ddp|ep|fsdp2 --world N`).
 
-For: the per-rank peak of a step when `world` processes train together, from the one-process planned
-step with what the engine changes on a rank:
+For: the per-rank peak of a step when `world` processes train together: the one-process planned step
+with what the engine changes on a rank (DDP, expert parallelism), or the engine's own step (FSDP2):
 - "ddp": every rank holds the whole model and its own batch. DDP's reducer holds a bucket copy of
   every gradient it reduces, for the whole run (`gradient_as_bucket_view=False`, its default): every
   parameter under the plain engine, the dense ones under Sonar (`sonar_fx.distributed.ddp` keeps the
@@ -12,22 +12,35 @@ step with what the engine changes on a rank:
   routed slots it computes are, on average, its own batch's (batch x seq x top-k), so a rank is
   planned as the model with E/world experts and the same top-k; the dense parameters are DDP's
   (buckets for them). The rank's experts need no collective: nothing in flight.
-- "fsdp2": refused, naming why: FSDP2's sharded step (all-gathered groups, reduce-scatter buffers,
-  the deferred step's unsharded expert gradients) is not modelled, and no measured step checks it.
-Never: start a process group, or plan what the engine does not run.
+- "fsdp2": FSDP2 itself runs the rank's step (`engines.FSDP2Engine`, each experts module its own
+  `fully_shard` group, as `sonar_fx.distributed.fsdp2` lays it out) on the fake model, as rank 0 of
+  `world` on torch's "fake" process group (collectives that move no data, in this process; made for
+  the plan and destroyed after it). So the plan holds what FSDP2 holds, from FSDP2's own code: each
+  rank's shards of weights, gradients and optimizer states, each group's all-gathered parameters from
+  its forward to its reshard (the next group's prefetched in backward), the unsharded gradients the
+  loop's `set_requires_gradient_sync(False)` micro-batches accumulate, the reduce-scatter buffers; and
+  the deferred step's kept operands and each expert gradient's reduce-scatter in flight while the next
+  is computed. Rank 0 is planned, the holder of the largest shards (`fully_shard` splits dim 0 as
+  `torch.chunk` does); another rank differs by its smaller shards and by when a gloo thread lets go of
+  a collective's buffer (0.1% on the measured step, `benchmarks.distributed_deferred --plan`).
+Never: start a process group that communicates, or plan what the engine does not run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
+from sonar_fx.engines import SINGLE_PROCESS, Engine, FSDP2Engine
 from sonar_fx.experts.discovery import ExpertSet
 from sonar_fx.models.families import EXPERT_COUNT_FIELDS
 from sonar_fx.optim.norms import total_norm
@@ -36,14 +49,14 @@ from sonar_fx.planner.fake import PlanError
 from sonar_fx.planner.models import ModelSource
 
 PARALLEL = ("ddp", "ep", "fsdp2")
-"""Engines `--parallel` names (fsdp2 is refused, with why)."""
+"""Engines `--parallel` names."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """One rank of `world` processes under `engine`."""
 
-    engine: Literal["ddp", "ep"]
+    engine: Literal["ddp", "ep", "fsdp2"]
     world: int
 
     def source(self, source: ModelSource) -> ModelSource:
@@ -68,7 +81,9 @@ class Layout:
 
     def bucket_bytes(self, model: nn.Module, sonar: bool) -> int:
         """DDP's buckets on a rank: a copy of every gradient DDP reduces (Sonar and expert parallelism
-        keep the experts out of DDP)."""
+        keep the experts out of DDP; FSDP2 has none: its planned step holds its own buffers)."""
+        if self.engine == "fsdp2":
+            return 0
         experts = {id(p) for p in ExpertSet.discover(model).params} if sonar or self.engine == "ep" else set()
         reduced = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
         return sum(p.numel() * p.element_size() for p in reduced)
@@ -78,6 +93,27 @@ class Layout:
         all-reduce in flight while the next gradient is computed)."""
         if self.engine == "ddp" and hasattr(optimizer, "distributed"):
             optimizer.distributed = InFlight(self.world)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Engine]:
+        """The engine the rank's planned step runs on, for the plan's duration: one process for DDP and
+        expert parallelism (the step, with what the engine changes on a rank); FSDP2 itself for fsdp2,
+        on a fake process group made here and destroyed after (see the module docstring)."""
+        if self.engine != "fsdp2":
+            yield SINGLE_PROCESS
+            return
+        if dist.is_initialized():
+            raise PlanError(
+                "--parallel fsdp2 runs FSDP2 on a fake process group of its own (torch's 'fake' backend, "
+                "rank 0 of --world ranks), and this process has a process group already: plan before "
+                "init_process_group, or with the sonar-fx plan command."
+            )
+        dist.init_process_group("fake", rank=0, world_size=self.world)
+        try:  # the mesh is made before the plan's fake tensor mode, which cannot build one
+            mesh = init_device_mesh("cpu", (self.world,))
+            yield FSDP2Engine(mesh=mesh)
+        finally:
+            dist.destroy_process_group()
 
 
 def layout(parallel: str | None, world: int, methods: Sequence[str]) -> Layout | None:
@@ -90,15 +126,9 @@ def layout(parallel: str | None, world: int, methods: Sequence[str]) -> Layout |
         return None
     if parallel not in PARALLEL:
         raise PlanError(f"parallel {parallel!r}: choose from {', '.join(PARALLEL)}.")
-    if parallel == "fsdp2":
-        raise PlanError(
-            "--parallel fsdp2: not planned yet. FSDP2's sharded step (each group's all-gathered "
-            "parameters, the reduce-scatter buffers, the deferred step's unsharded expert gradients) is "
-            "not modelled, and no measured step checks it; plan --parallel ddp or ep."
-        )
     if world < 2:
         raise PlanError(f"--world {world}: a {parallel} run has 2 or more ranks.")
-    return Layout(engine="ddp" if parallel == "ddp" else "ep", world=world)
+    return Layout(engine=parallel, world=world)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -14,12 +14,14 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sonar_fx.config import AdamWConfig, OptimizerConfig
+from sonar_fx.engines import ENGINES, SINGLE_PROCESS
 from sonar_fx.experts.discovery import NoExpertsFoundError, discover_experts
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.methods import Method
@@ -33,6 +35,7 @@ from sonar_fx.planner.parallel import layout
 from sonar_fx.planner.run import PLAN_METHODS, MethodRun, StepMemory, method_config
 
 DEFAULT_METHODS = ("standard", "standard_no_expert_clip", "oib_all", "sonar")
+"""Methods planned when none are named (`default_methods`: less those a planned engine does not run)."""
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 DEVICES = ("cuda", "cpu")
 """Planned devices: "cuda" (the caching allocator's blocks, GPU kernels), "cpu" (exact bytes, the CPU
@@ -123,7 +126,7 @@ class Plan:
     """CPU time this process spent on it (on a shared machine, the part of `seconds` that was its own)."""
     execution: str = EXECUTION
     parallel: str | None = None
-    """The engine of a planned rank ("ddp", "ep"; None: one process): every figure is one rank's."""
+    """The engine of a planned rank ("ddp", "ep", "fsdp2"; None: one process): every figure is one rank's."""
     world: int = 1
     """Ranks of that run, each with `batch` sequences per micro-batch."""
 
@@ -170,7 +173,7 @@ def plan(
     seq: int = 256,
     dtype: str | torch.dtype = "bf16",
     opt_cfg: OptimizerConfig | None = None,
-    methods: Sequence[str] = DEFAULT_METHODS,
+    methods: Sequence[str] | None = None,
     device: str = "cuda",
     gradient_checkpointing: bool = False,
     budget: int | str | None = None,
@@ -184,10 +187,11 @@ def plan(
     `model_or_config` for each method, without allocating it; with `budget` (bytes, or text like
     "46GiB"), also the largest batch that fits. `grad_accum`: micro-batches of `batch` sequences per
     step. `kernels`: the expert kernels modelled ("torch", "scattermoe", "sonicmoe"); `gpu`: a card of
-    `device.GPUS`, whose usable memory becomes the budget. `parallel` ("ddp", "ep") and `world`: plan
-    one rank of that many processes (`parallel.Layout`), each with its own `batch`. See the module
-    docstring and docs/plan.md."""
+    `device.GPUS`, whose usable memory becomes the budget. `parallel` ("ddp", "ep", "fsdp2") and
+    `world`: plan one rank of that many processes (`parallel.Layout`), each with its own `batch`.
+    `methods`: None plans `default_methods(parallel)`. See the module docstring and docs/plan.md."""
     started, cpu_started = time.perf_counter(), time.process_time()
+    methods = default_methods(parallel) if methods is None else methods
     torch_dtype, cfg = parse_dtype(dtype), opt_cfg if opt_cfg is not None else AdamWConfig()
     _check_request(batch, seq, device, methods, cfg, grad_accum)
     card = _gpu(gpu, device, budget, kernels)
@@ -200,28 +204,29 @@ def plan(
     source = rank.source(source) if rank is not None else source
     planned, expert_grad, cross = [], None, None
     layers, top_k = [], None
-    for name in methods:
-        try:
-            run = MethodRun(
-                source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing, seq=seq,
-                grad_accum=grad_accum, kernels=kernels, rank=rank,
-            )  # fmt: skip
-        except NoExpertsFoundError as err:
-            raise PlanError(f"{source.name}: {err}") from err
-        if expert_grad is None:
-            layers = discover_experts(run.model)
-            top_k = _top_k(source)
-            expert_grad = ExpertGradBytes.of(layers)
-            cross = crossover(layers, top_k, seq=seq, grad_accum=grad_accum) if top_k is not None else None
-        base, fields = PLAN_METHODS[name]
-        method_cfg = method_config(base, cfg, fields)
-        meaning = semantics(name, base, method_cfg)
-        buckets = rank.bucket_bytes(run.model, sonar=Method.named(base).sonar) if rank is not None else 0
-        mine = _plan_method(run, batch, seq, device, budget_bytes, meaning, buckets)
-        if base == "sonar_deferred" and method_cfg.expert_clip == "global":
-            keep_budget = None if budget_bytes is None else budget_bytes - buckets  # (buckets: a rank's DDP)
-            mine = _with_norm_pass(mine, run, layers, top_k, (batch, seq, device, keep_budget))
-        planned.append(mine)
+    with rank.running() if rank is not None else nullcontext(SINGLE_PROCESS) as engine:
+        for name in methods:
+            try:
+                run = MethodRun(
+                    source, name, cfg, dtype=torch_dtype, gradient_checkpointing=gradient_checkpointing,
+                    seq=seq, grad_accum=grad_accum, kernels=kernels, rank=rank, engine=engine,
+                )  # fmt: skip
+            except NoExpertsFoundError as err:
+                raise PlanError(f"{source.name}: {err}") from err
+            if expert_grad is None:
+                layers = discover_experts(run.model)
+                top_k = _top_k(source)
+                expert_grad = ExpertGradBytes.of(layers)
+                cross = None if top_k is None else crossover(layers, top_k, seq=seq, grad_accum=grad_accum)
+            base, fields = PLAN_METHODS[name]
+            method_cfg = method_config(base, cfg, fields)
+            meaning = semantics(name, base, method_cfg)
+            buckets = rank.bucket_bytes(run.model, sonar=Method.named(base).sonar) if rank is not None else 0
+            mine = _plan_method(run, batch, seq, device, budget_bytes, meaning, buckets)
+            if base == "sonar_deferred" and method_cfg.expert_clip == "global":
+                keep_budget = None if budget_bytes is None else budget_bytes - buckets  # (a rank's DDP)
+                mine = _with_norm_pass(mine, run, layers, top_k, (batch, seq, device, keep_budget))
+            planned.append(mine)
     assert expert_grad is not None  # `_check_request` refused an empty method list
     standard = next((m for m in planned if m.method == "standard"), None)
     if standard is not None:
@@ -238,6 +243,15 @@ def plan(
         parallel=parallel, world=world,
         cpu_seconds=time.process_time() - cpu_started,
     )  # fmt: skip
+
+
+def default_methods(parallel: str | None) -> tuple[str, ...]:
+    """`DEFAULT_METHODS` that the engine of `--parallel` runs: on FSDP2, which runs its own step, every
+    one but `oib_all` (a method it does not run, refused by name when asked for)."""
+    if parallel != "fsdp2":
+        return DEFAULT_METHODS
+    runs = ENGINES[parallel].methods or ()
+    return tuple(m for m in DEFAULT_METHODS if PLAN_METHODS[m][0] in runs)
 
 
 class BudgetError(PlanError):

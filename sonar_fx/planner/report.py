@@ -44,10 +44,10 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     add(
         "--methods",
         nargs="+",
-        default=list(DEFAULT_METHODS),
+        default=None,
         choices=tuple(PLAN_METHODS),
         metavar="METHOD",
-        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}; also: "
+        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}, less oib_all on fsdp2; also: "
         f"{', '.join(m for m in PLAN_METHODS if m not in DEFAULT_METHODS)})",
     )
     add(
@@ -101,7 +101,7 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         choices=PARALLEL,
         default=None,
         help="plan one rank of a run on this engine (ddp: whole model per rank; ep: E/world experts per "
-        "rank); every figure is per rank",
+        "rank; fsdp2: FSDP2's own step, rank 0 of --world on a fake process group); every figure is per rank",
     )
     add("--world", type=int, default=1, metavar="N", help="ranks of the --parallel run (each with --batch)")
     add("--json", action="store_true", help="print one JSON object instead of the table")
@@ -168,10 +168,10 @@ def format_plan(p: Plan) -> str:
     accum = f" x {p.grad_accum} micro-batches" if p.grad_accum > 1 else ""
     experts = ", E/world experts per rank" if p.parallel == "ep" else ""
     rank = (
-        f"; one rank of {p.world} ({p.parallel}: DDP's buckets among gradients{experts})"
-        if p.parallel
+        f"; rank 0 of {p.world} (fsdp2: FSDP2's own step, the rank's shards)" if p.parallel == "fsdp2"
+        else f"; one rank of {p.world} ({p.parallel}: DDP's buckets among gradients{experts})" if p.parallel
         else ""
-    )
+    )  # fmt: skip
     return "\n".join([
         f"{p.model}: batch {p.batch} x seq {p.seq}{accum}, {p.dtype}, {p.optimizer['optimizer']} "
         f"(expert states {bits[0]}-bit, dense {bits[1]}-bit), gradient checkpointing "

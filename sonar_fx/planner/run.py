@@ -6,7 +6,9 @@ backward; the baselines clip and step at the end). The first step creates the op
 in a real run, and is not tracked; each tracked step then starts where a real run's step 2 starts
 (weights and optimizer states alive, no gradients) and is accounted by `StepTracker`. A step may run
 several micro-batches (gradient accumulation) as `train_step` does with a list of batches; the deferred
-schedule's step reports the operands it kept and the tensors that crossed over (`StepMemory`).
+schedule's step reports the operands it kept and the tensors that crossed over (`StepMemory`). On a
+planned FSDP2 rank the method is built on that engine (`fully_shard`, and every micro-batch but the
+last under its `no_sync`: `set_requires_gradient_sync(False)`), as a run on it builds it.
 Never: allocate real memory (everything runs under `PlanFakeMode`); run a step other than the method's.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from sonar_fx.config import OptimizerConfig
+from sonar_fx.engines import SINGLE_PROCESS, Engine
 from sonar_fx.methods import Method, TrainingMethod, build_method
 from sonar_fx.models.tiny import enable_activation_checkpointing
 from sonar_fx.optim.deferred import DeferredGrads
@@ -88,6 +91,7 @@ class MethodRun:
         grad_accum: int = 1,
         kernels: str = "torch",
         rank: Layout | None = None,
+        engine: Engine = SINGLE_PROCESS,
     ) -> None:
         self.mode = PlanFakeMode()
         self.name = method
@@ -105,7 +109,7 @@ class MethodRun:
         if Method.named(base).sonar:  # a plan reports a lost saving (crossed_over, kept_whole): never refuses
             kwargs["on_saving_lost"] = "warn"
         with self._planning():
-            self.method: TrainingMethod = build_method(base, self.model, config, **kwargs)
+            self.method: TrainingMethod = build_method(base, self.model, config, engine=engine, **kwargs)
             if rank is not None:  # one rank of a parallel run: its engine's reduction
                 rank.set_up(self.method.optimizer)
             self.method.train_step(self._micro_batches(1, seq))  # creates the optimizer states
