@@ -30,6 +30,7 @@ import sonar_fx.distributed as sd
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.distributed.deferred_sharded import sharded_experts
 from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.log_filters import quiet_norm_over_mesh_dims
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
@@ -152,7 +153,8 @@ def titan_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], mesh: An
     expert over "ep", FSDP2's Shard(0) over "dp"), their norm reduced by `full_tensor()`, combined
     with the dense one (FSDP2 over every rank) as squares."""
     as_2d = [DTensor.from_local(p.grad.to_local(), mesh, [Shard(0), Shard(0)]) for p in experts]
-    ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
+    with quiet_norm_over_mesh_dims():  # DTensor's note on a 2 x 2 mesh: one all-reduce per dimension
+        ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
     dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense]).full_tensor()
     total = ep_norm**2 + dense_norm**2
     total **= 1.0 / 2
