@@ -24,7 +24,6 @@ Never: start a process group, or plan what the engine does not run.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -57,8 +56,7 @@ class Layout:
             return source
         if source.config is None:
             raise PlanError(f"{source.name}: --parallel ep plans a transformers config's experts.")
-        config = copy.deepcopy(source.config)
-        fields = [f for f in EXPERT_COUNT_FIELDS if isinstance(getattr(config, f, None), int)]
+        fields = [f for f in EXPERT_COUNT_FIELDS if isinstance(getattr(source.config, f, None), int)]
         if not fields:
             raise PlanError(f"{source.name}: no expert count in its config to shard over --world.")
         experts = getattr(source.config, fields[0])
