@@ -4,7 +4,8 @@ the logged norm the plain clip's; or refused at step() before any weight moves.
 
 One spawn of 2 ranks runs every case (`distributed_cases_deferred`, and its expert-parallel cases
 with one expert per rank and an inf in one rank's experts: `distributed_cases_deferred_ep`); each rank
-reports its own comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
+reports its own comparison. DDP and expert parallelism under inductor and each engine on 4 ranks have
+their own spawn (slow).
 """
 
 from __future__ import annotations

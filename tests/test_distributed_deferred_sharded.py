@@ -4,7 +4,8 @@ clip over every parameter (or the dense ones), the logged norm the plain clip's,
 GradScaler (an overflow included); or refused at step() before any weight moves.
 
 One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
-(aot_eager, inductor) and the 4-rank case have their own (slow).
+(aot_eager, inductor) has its own, and the 4-rank cases (FSDP2, FSDP2 x EP on a 2 x 2 mesh) share one
+(slow).
 """
 
 from __future__ import annotations
