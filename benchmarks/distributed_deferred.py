@@ -409,8 +409,9 @@ def _timeline() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     engines = Override(field="engines", choices=ENGINES, many=True, help="engines to run (default: ddp ep)")
+    shape = Override(field="shape", choices=sorted(SHAPES), help="the model shape (default: olmoe-cpu)")
     common.main(
-        SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=[engines], modes=MODES
+        SCRIPT, __doc__, argv, run=run, default=Config(), quick=QUICK, overrides=[engines, shape], modes=MODES
     )
 
 

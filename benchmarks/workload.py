@@ -76,6 +76,17 @@ SHAPES: dict[str, ModelShape] = {
             name="granite-cpu", base="tiny-granitemoe", experts=40, top_k=8, hidden=512, intermediate=256,
             layers=4, heads=8, kv_heads=2,
         ),
+        # olmoe-cpu with fewer experts per rank than top-k under expert parallelism on 2 ranks
+        # (`distributed_deferred --plan --shape`): 8 experts of top-8 (4 per rank, every token's slots
+        # reach both ranks), and as many experts as ranks (2 of top-2: one expert per rank).
+        ModelShape(
+            name="olmoe-cpu-8e", base="tiny-olmoe", experts=8, top_k=8, hidden=384, intermediate=192,
+            layers=4, heads=6, kv_heads=6,
+        ),
+        ModelShape(
+            name="olmoe-cpu-2e", base="tiny-olmoe", experts=2, top_k=2, hidden=384, intermediate=192,
+            layers=4, heads=6, kv_heads=6,
+        ),
         # Small enough for smoke tests: seconds per arm, compiled or not.
         ModelShape(
             name="olmoe-micro", base="tiny-olmoe", experts=8, top_k=2, hidden=32, intermediate=16,

@@ -422,18 +422,25 @@ def deferred(rank: int) -> dict[str, Any]:
     return out
 
 
-def deferred_inductor(rank: int) -> dict[str, Any]:
-    """The inductor case alone (its own spawn, marked slow): bf16, the clip over all parameters."""
+INDUCTOR = ("bf16", "all", "inductor", 2)
+INDUCTOR_EP = ("bf16", "all", "inductor", 2, "ep")
+"""Expert parallelism with each block compiled by inductor on both sides (the all-to-alls run between
+the block's graphs), bf16, 2 micro-batches, the clip over every parameter; its own spawn (slow)."""
+
+
+def deferred_inductor(rank: int, case: tuple = INDUCTOR) -> dict[str, Any]:
+    """An inductor case alone (its own spawn, marked slow): bf16, the clip over all parameters."""
     os.environ[ON_SAVING_LOST_ENV] = "warn"
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # inductor's CPU embedding backward accumulates in parallel
     try:
-        return {label(*INDUCTOR): exact(rank, *INDUCTOR)}
+        return {label(*case): exact(rank, *case)}
     finally:
         torch.use_deterministic_algorithms(deterministic)
 
 
-INDUCTOR = ("bf16", "all", "inductor", 2)
+def deferred_inductor_ep(rank: int) -> dict[str, Any]:
+    return deferred_inductor(rank, INDUCTOR_EP)
 
 
 FOUR_RANKS = {"ddp": ("fp32", "all", "eager", 4, "ddp"), "ep": ("fp32", "all", "eager", 4, "ep")}

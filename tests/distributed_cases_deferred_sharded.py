@@ -30,6 +30,7 @@ import sonar_fx.distributed as sd
 from sonar_fx.compiled import repeated_blocks
 from sonar_fx.distributed.deferred_sharded import sharded_experts
 from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.log_filters import quiet_norm_over_mesh_dims
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
@@ -107,10 +108,11 @@ def mesh_of(shape: tuple[int, int]) -> Any:
 
 
 def sonar_on(
-    engine: str, dtype: torch.dtype, clip: str, compiler: str, mesh: tuple[int, int], **kw: Any
-) -> nn.Module:
+    engine: str, dtype: torch.dtype, clip: str, compiler: str, mesh: tuple[int, int],
+    model_kw: dict | None = None, **kw: Any,
+) -> nn.Module:  # fmt: skip
     torch._dynamo.reset()
-    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    model = build_model(MODELS[engine], dtype=dtype, seed=0, **(model_kw or {}))
     if engine == "fsdp2":
         return sd.fsdp2(model, cfg_for(clip), compiler=compiler, schedule="deferred", **kw)
     return sd.fsdp2_ep(model, cfg_for(clip), mesh=mesh_of(mesh), compiler=compiler, schedule="deferred", **kw)
@@ -130,10 +132,12 @@ def train_sonar(model: Any, data: list[list[dict]], clip: str, seen: dict | None
     return norms
 
 
-def plain_engine(engine: str, dtype: torch.dtype, compiler: str, mesh: tuple[int, int]) -> nn.Module:
+def plain_engine(
+    engine: str, dtype: torch.dtype, compiler: str, mesh: tuple[int, int], model_kw: dict | None = None
+) -> nn.Module:
     """The same layout, sharded by torch alone; each block compiled where the case compiles."""
     torch._dynamo.reset()
-    model = build_model(MODELS[engine], dtype=dtype, seed=0)
+    model = build_model(MODELS[engine], dtype=dtype, seed=0, **(model_kw or {}))
     if engine == "fsdp2":
         sd.fully_shard_experts(model)
     else:
@@ -149,7 +153,8 @@ def titan_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], mesh: An
     expert over "ep", FSDP2's Shard(0) over "dp"), their norm reduced by `full_tensor()`, combined
     with the dense one (FSDP2 over every rank) as squares."""
     as_2d = [DTensor.from_local(p.grad.to_local(), mesh, [Shard(0), Shard(0)]) for p in experts]
-    ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
+    with quiet_norm_over_mesh_dims():  # DTensor's note on a 2 x 2 mesh: one all-reduce per dimension
+        ep_norm = torch.nn.utils.get_total_norm(as_2d).full_tensor()
     dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense]).full_tensor()
     total = ep_norm**2 + dense_norm**2
     total **= 1.0 / 2
@@ -160,11 +165,11 @@ def titan_clip_(dense: list[nn.Parameter], experts: list[nn.Parameter], mesh: An
 
 def train_plain(
     engine: str, dtype: torch.dtype, clip: str, compiler: str, data: list[list[dict]], mesh: tuple[int, int],
-    sync: str = "last", seen: dict | None = None,
+    sync: str = "last", seen: dict | None = None, model_kw: dict | None = None,
 ) -> tuple[nn.Module, list[float]]:  # fmt: skip
     """Plain FSDP2 (x EP), fused AdamW over [dense, experts] (one per mesh on FSDP2 x EP), the clip
-    over `clip`."""
-    model = plain_engine(engine, dtype, compiler, mesh)
+    over `clip`; `model_kw`: the model's config overrides."""
+    model = plain_engine(engine, dtype, compiler, mesh, model_kw)
     ids = ExpertSet.discover(model).names_by_id()
     dense = [p for p in model.parameters() if id(p) not in ids]
     experts = [p for p in model.parameters() if id(p) in ids]
@@ -191,17 +196,21 @@ def train_plain(
 
 
 def exact(
-    rank: int, engine: str, dtype: str, clip: str, compiler: str, accum: int, mesh: tuple[int, int] = (1, 2)
-) -> tuple[dict[str, Any], nn.Module]:
-    """Sonar deferred on the engine against the plain engine with the same loop."""
+    rank: int, engine: str, dtype: str, clip: str, compiler: str, accum: int, mesh: tuple[int, int] = (1, 2),
+    model_kw: dict | None = None,
+) -> tuple[dict[str, Any], nn.Module]:  # fmt: skip
+    """Sonar deferred on the engine against the plain engine with the same loop (the same model
+    overrides `model_kw` on both)."""
     data = data_of(rank, accum)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = sonar_on(engine, torch_dtype, clip, compiler, mesh)
+    model = sonar_on(engine, torch_dtype, clip, compiler, mesh, model_kw)
     seen: dict[str, Any] = {}
     norms = train_sonar(model, data, clip, seen)
     report = model.sonar.report()
     twin_seen: dict[str, Any] = {}
-    twin, twin_norms = train_plain(engine, torch_dtype, clip, compiler, data, mesh, seen=twin_seen)
+    twin, twin_norms = train_plain(
+        engine, torch_dtype, clip, compiler, data, mesh, seen=twin_seen, model_kw=model_kw
+    )
     return {
         "differ": differ_full(model, twin),
         "digest": digest_full(model),
@@ -216,6 +225,7 @@ def exact(
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
         "fallbacks": report["fallbacks"],
         "twin_unsharded_expert_grad_bytes": twin_seen["unsharded_expert_grad_bytes"],
+        "experts_per_tensor": sorted({p.shape[0] for p in model.sonar.expert_group["params"]}),
         **seen,
     }, model
 
@@ -300,6 +310,10 @@ over all parameters, FSDP2 x EP compiled too, and the dense-only clip. Compiled 
 (transformers' compiled fp32 grouped_mm path is a known library failure). FSDP2 x EP on 2 ranks:
 (1, 2) exchanges tokens across ranks (dp of one), (2, 1) reduce-scatters the experts across ranks
 (ep of one)."""
+ONE_EXPERT_PER_RANK = ("fsdp2_ep", "fp32", "all", "eager", 4, (1, 2))
+"""FSDP2 x EP with as many experts as the ep size (`ONE_EXPERT_PER_RANK_MODEL`: 2 over ep 2): each
+rank's expert tensors are (1, out, in), every token's top-2 reaches both ranks."""
+ONE_EXPERT_PER_RANK_MODEL = {"num_experts": 2}
 COMPILED = ("fsdp2", "bf16", "all", "aot_eager", 2)
 """FSDP2 with each block of transformers' OLMoE compiled: ~45 s per model on 2 shared cores, so its
 own spawn (marked slow)."""
@@ -328,6 +342,7 @@ def deferred_sharded(rank: int) -> dict[str, Any]:
                 "fsdp2", torch.float32, "all", "eager", data_of(rank, 4), (1, 2), sync="every"
             )
             out["control/sync_every"] = differ_full(model, twin)
+    out["fsdp2_ep/one_expert_per_rank"] = exact(rank, *ONE_EXPERT_PER_RANK, ONE_EXPERT_PER_RANK_MODEL)[0]
     out["inf_on_one_rank"] = inf_on_one_rank(rank)
     out.update(grad_scaler_cases(rank))
     out["refused/every"] = refused_loop(rank, "every")
@@ -343,12 +358,16 @@ def deferred_sharded_compiled(rank: int) -> dict[str, Any]:
 
 
 FOUR_RANKS = ("fsdp2", "fp32", "all", "eager", 4)
+FOUR_RANKS_2D = ("fsdp2_ep", "fp32", "all", "eager", 4, (2, 2))
+"""FSDP2 x EP on a 2 x 2 mesh: tokens exchanged within each "ep" row, each expert reduce-scattered
+over its "dp" column; torchtitan's norm over both mesh dimensions."""
 
 
 def deferred_sharded_four(rank: int) -> dict[str, Any]:
-    """The 4-rank case (its own spawn, marked slow): FSDP2, fp32, the clip over all parameters."""
+    """The 4-rank cases (one spawn, marked slow): FSDP2 and FSDP2 x EP on a 2 x 2 mesh, fp32, the clip
+    over all parameters, 4 micro-batches."""
     os.environ[ON_SAVING_LOST_ENV] = "warn"
-    return {label(*FOUR_RANKS): exact(rank, *FOUR_RANKS)[0]}
+    return {label(*case): exact(rank, *case)[0] for case in (FOUR_RANKS, FOUR_RANKS_2D)}
 
 
 INDUCTOR = ("fsdp2", "bf16", "all", "inductor", 4)

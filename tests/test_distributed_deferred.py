@@ -4,7 +4,8 @@ the logged norm the plain clip's; or refused at step() before any weight moves.
 
 One spawn of 2 ranks runs every case (`distributed_cases_deferred`, and its expert-parallel cases
 with one expert per rank and an inf in one rank's experts: `distributed_cases_deferred_ep`); each rank
-reports its own comparison. DDP under inductor and each engine on 4 ranks have their own spawn (slow).
+reports its own comparison. DDP and expert parallelism under inductor and each engine on 4 ranks have
+their own spawn (slow).
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import math
 
 import pytest
 import torch
-from distributed_cases_deferred import EXACT, EXACT_EP, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
+from distributed_cases_deferred import (
+    EXACT,
+    EXACT_EP,
+    FOUR_RANKS,
+    INDUCTOR,
+    INDUCTOR_EP,
+    MAX_NORM,
+    STEPS,
+    label,
+)
 from distributed_cases_deferred_ep import ONE_EXPERT_PER_RANK
 
 import sonar_fx
@@ -139,6 +149,19 @@ def test_deferred_on_ddp_under_inductor_equals_plain_ddp_under_inductor(tmp_path
         assert run["updates_deferred"] == STEPS * EXPERT_TENSORS and run["kept_whole"] == []
         assert run["fallbacks"] == [] and run["graphs"] >= 1
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree"
+
+
+@pytest.mark.slow
+def test_deferred_on_expert_parallel_under_inductor_equals_the_plain_engine_under_inductor(tmp_path):
+    """Each block compiled by inductor on both sides, bf16, 2 micro-batches, the clip over every
+    parameter (torchtitan's norm): the graph of the local experts keeps their operands under inductor,
+    the all-to-alls run between graphs, and the run is bitwise the plain engine's."""
+    distributed_worker.run("distributed_cases_deferred:deferred_inductor_ep", str(tmp_path))
+    runs = [r[label(*INDUCTOR_EP)] for r in distributed_worker.results(str(tmp_path))]
+    for run in runs:
+        check_ep(run, INDUCTOR_EP)
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense tensors"
+    assert len({run["digest"] for run in runs}) == len(runs), "each rank holds its own experts"
 
 
 @pytest.mark.slow

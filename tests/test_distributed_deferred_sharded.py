@@ -4,13 +4,24 @@ clip over every parameter (or the dense ones), the logged norm the plain clip's,
 GradScaler (an overflow included); or refused at step() before any weight moves.
 
 One spawn runs the 2-rank cases (`distributed_cases_deferred_sharded`); FSDP2 with compiled blocks
-(aot_eager, inductor) and the 4-rank case have their own (slow).
+(aot_eager, inductor) has its own, and the 4-rank cases (FSDP2, FSDP2 x EP on a 2 x 2 mesh) share one
+(slow).
 """
 
 from __future__ import annotations
 
 import pytest
-from distributed_cases_deferred_sharded import COMPILED, EXACT, FOUR_RANKS, INDUCTOR, MAX_NORM, STEPS, label
+from distributed_cases_deferred_sharded import (
+    COMPILED,
+    EXACT,
+    FOUR_RANKS,
+    FOUR_RANKS_2D,
+    INDUCTOR,
+    MAX_NORM,
+    ONE_EXPERT_PER_RANK,
+    STEPS,
+    label,
+)
 from test_distributed_deferred import check_scaler_run
 
 import sonar_fx
@@ -63,6 +74,17 @@ def test_deferred_on_sharded_engines_equals_the_plain_engine_with_unsynced_accum
     assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense parameters"
     expert_rows = case[5][1] if case[0] == "fsdp2_ep" else 1  # ranks of an "ep" row hold other experts
     assert len({run["digest"] for run in runs}) == expert_rows
+
+
+def test_deferred_on_fsdp2_ep_with_one_expert_per_rank_equals_the_plain_engine(ranks):
+    """As many experts as the ep size (2 over a 1 x 2 mesh): each rank's expert tensors are (1, out, in),
+    found as experts, kept, updated at step() and bitwise the plain engine's with torchtitan's clip."""
+    runs = [r["fsdp2_ep/one_expert_per_rank"] for r in ranks]
+    for run in runs:
+        check_exact(run, ONE_EXPERT_PER_RANK)
+        assert run["experts_per_tensor"] == [1]  # the rank's (full, over its dp column) expert tensors
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense parameters"
+    assert len({run["digest"] for run in runs}) == 2, "each rank holds its own expert"
 
 
 def test_nonfinite_skip_with_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks):
@@ -146,13 +168,32 @@ def test_deferred_on_fsdp2_with_inductor_blocks_equals_plain_fsdp2_with_inductor
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("deferred_sharded_four")
+    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_four", str(out), world=4)
+    return distributed_worker.results(str(out), world=4)
+
+
 @pytest.mark.slow
-def test_deferred_on_fsdp2_on_four_ranks_equals_plain_fsdp2(tmp_path):
-    distributed_worker.run("distributed_cases_deferred_sharded:deferred_sharded_four", str(tmp_path), world=4)
-    runs = [r[label(*FOUR_RANKS)] for r in distributed_worker.results(str(tmp_path), world=4)]
+def test_deferred_on_fsdp2_on_four_ranks_equals_plain_fsdp2(four_ranks):
+    runs = [r[label(*FOUR_RANKS)] for r in four_ranks]
     for run in runs:
         check_exact(run, FOUR_RANKS)
     assert len({run["digest"] for run in runs}) == 1, "ranks disagree on the full parameters"
+
+
+@pytest.mark.slow
+def test_deferred_on_fsdp2_ep_on_a_two_by_two_mesh_equals_the_plain_engine(four_ranks):
+    """4 ranks as a 2 x 2 (dp, ep) mesh, fp32 eager, 4 micro-batches, the clip over every parameter
+    (torchtitan's, each expert counted once over both mesh dimensions): tokens exchanged within each
+    ep row, each expert tensor's gradient reduce-scattered over its dp column as FSDP2 reduces it."""
+    runs = [r[label(*FOUR_RANKS_2D)] for r in four_ranks]
+    for run in runs:
+        check_exact(run, FOUR_RANKS_2D)
+    assert len({run["dense_digest"] for run in runs}) == 1, "ranks disagree on the dense parameters"
+    # Full experts: alike down a dp column, other experts across an ep row.
+    assert len({run["digest"] for run in runs}) == 2, "each ep row holds the same experts"
 
 
 def test_the_one_rule_lets_deferred_through_on_every_engine_a_test_shows_exact():

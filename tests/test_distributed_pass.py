@@ -195,7 +195,7 @@ UPPER = ["layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj"]
 
 
 @pytest.mark.parametrize("given", ["names", "parameters", None])
-@pytest.mark.filterwarnings("ignore:torch.distributed.nn.functional.all_to_all_single is deprecated")
+@pytest.mark.filterwarnings("error::FutureWarning")  # none from the all-to-all (it was deprecated)
 def test_fsdp2_ep_lays_out_only_the_experts_given(one_rank, given):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule

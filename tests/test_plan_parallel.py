@@ -22,6 +22,7 @@ from sonar_fx.models import build_model
 from sonar_fx.models.tiny import tiny_config
 from sonar_fx.planner import PlanError, plan
 from sonar_fx.planner.models import model_source
+from sonar_fx.planner.modes import OFFSET_BYTES
 from sonar_fx.planner.parallel import Layout
 from sonar_fx.planner.planning import default_methods
 
@@ -70,15 +71,47 @@ def test_a_plain_ddp_rank_holds_buckets_for_every_parameter():
 
 
 def test_an_expert_parallel_rank_holds_its_share_of_the_experts():
-    """The rank's model: E/world experts per layer, the same top-k; DDP's buckets for the dense part."""
+    """The rank's model: E/world experts per layer, the whole router (E outputs, the same top-k, as the
+    engine keeps it); DDP's buckets for the dense part."""
     source = model_source(tiny_config("tiny-olmoe", **SHAPE))
     rank = Layout(engine="ep", world=2)
     alone, mine = (s.build(torch.bfloat16) for s in (source, rank.source(source)))
     halves = [ExpertGradBytes.of(discover_experts(m)).total for m in (alone, mine)]
     assert halves[1] * 2 == halves[0]
     assert mine.config.num_experts_per_tok == alone.config.num_experts_per_tok
+    routers = [m.model.layers[0].mlp.gate.weight.shape for m in (alone, mine)]
+    assert routers[0] == routers[1] == (SHAPE["num_experts"], SHAPE["hidden_size"])
     dense = sum(p.numel() * p.element_size() for p in mine.parameters()) - halves[1]
     assert rank.bucket_bytes(mine, sonar=True) == rank.bucket_bytes(mine, sonar=False) == dense
+
+
+FEWER_THAN_TOP_K = dict(SHAPE, num_experts=2, intermediate_size=48, num_hidden_layers=1)
+"""2 experts of top-2 over 2 ranks: one expert per rank (El = 1 < top-k = 2), as the engine runs it
+(`holds_expert_shard`); n = 48 keeps the kept operands below the gradients (no crossover)."""
+
+
+def test_an_expert_parallel_rank_computes_every_slot_routed_to_it_however_few_its_experts():
+    """With fewer experts on a rank than top-k, the rank still computes batch x seq x top-k slots in
+    expectation (every rank's slots, El/E of them each; exactly that here: each token picks both
+    experts), not batch x seq (half these operands): the deferred step keeps both GEMMs' operands for
+    each of those slots (in + out widths: d + 2n, n + d) per micro-batch and layer, and one offsets
+    entry per local expert. The planner refused this rank before (fewer experts than top-k)."""
+    shape, top_k = FEWER_THAN_TOP_K, FEWER_THAN_TOP_K["num_experts_per_tok"]
+    kw = dict(KW, batch=1, seq=4)
+    planned = plan(tiny_config("tiny-olmoe", **shape), methods=(DEFERRED,), parallel="ep", world=2, **kw)
+    d, n, layers, size = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], 2
+    slots = kw["batch"] * kw["seq"] * top_k
+    operands = kw["grad_accum"] * layers * slots * ((d + 2 * n) + (n + d)) * size
+    offsets = layers * 2 * 1 * OFFSET_BYTES  # 2 tensors per layer, 1 local expert each
+    deferred = planned.method(DEFERRED)
+    assert deferred.crossed_over == ()
+    assert deferred.kept_operand_bytes == operands + offsets
+    assert (
+        planned.expert_grad.total * 2
+        == ExpertGradBytes.of(
+            discover_experts(build_model("tiny-olmoe", dtype=torch.bfloat16, **shape))
+        ).total
+    )  # the rank holds one of the two experts
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -93,8 +93,11 @@ def combine(y_Rd: Tensor, routing: Routing, weights_Tk: Tensor) -> Tensor:
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    """The autograd all-to-all torch keeps (`torch.distributed.nn.functional.all_to_all_single` is
+    deprecated for it: a FutureWarning at every call): its backward is the reverse exchange, a copy as
+    the forward is, so a gradient's bits are those the deprecated one gave. In eager its result waits on
+    the collective at its first use."""
+    return funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 class ExpertParallelExperts(nn.Module):

@@ -8,10 +8,15 @@ with what the engine changes on a rank (DDP, expert parallelism), or the engine'
   experts out of DDP). The deferred step's reduction of each expert gradient is in flight while the
   next one is computed (`sonar_fx.optim.deferred_pipeline`): planned with a reduction whose handles
   say so (`InFlight`), so the planned step holds what the rank holds;
-- "ep": each rank holds E/world experts per layer (`sonar_fx.distributed.expert_parallel`); the
-  routed slots it computes are, on average, its own batch's (batch x seq x top-k), so a rank is
-  planned as the model with E/world experts and the same top-k; the dense parameters are DDP's
-  (buckets for them). The rank's experts need no collective: nothing in flight.
+- "ep": each rank holds E/world experts per layer (`sonar_fx.distributed.expert_parallel`) and the
+  whole router (E outputs, top-k). Every rank routes its batch x seq x top-k slots over all E experts
+  and sends each to the rank owning its expert: with El = E/world local experts a rank receives, in
+  expectation, El/E of every rank's slots, world x (batch x seq x top-k) x El/E = batch x seq x top-k
+  (exactly that when every token picks every expert, top-k = E), however El compares with top-k: one
+  expert per rank (El = 1) computes batch x seq x top-k slots, not batch x seq. So a rank is planned as
+  the whole model (router included) whose experts modules hold El experts and receive all of the
+  rank's slots (`ExpertShardSource`); the dense parameters are DDP's (buckets for them). The rank's
+  experts need no collective: nothing in flight.
 - "fsdp2": FSDP2 itself runs the rank's step (`engines.FSDP2Engine`, each experts module its own
   `fully_shard` group, as `sonar_fx.distributed.fsdp2` lays it out) on the fake model, as rank 0 of
   `world` on torch's "fake" process group (collectives that move no data, in this process; made for
@@ -29,7 +34,6 @@ Never: start a process group that communicates, or plan what the engine does not
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -41,7 +45,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from sonar_fx.engines import SINGLE_PROCESS, Engine, FSDP2Engine
-from sonar_fx.experts.discovery import ExpertSet
+from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.models.families import EXPERT_COUNT_FIELDS
 from sonar_fx.optim.norms import total_norm
 from sonar_fx.optim.reduction import StepReduce, Update
@@ -65,19 +69,20 @@ class Layout:
             return source
         if source.config is None:
             raise PlanError(f"{source.name}: --parallel ep plans a transformers config's experts.")
-        config = copy.deepcopy(source.config)
-        fields = [f for f in EXPERT_COUNT_FIELDS if isinstance(getattr(config, f, None), int)]
+        fields = [f for f in EXPERT_COUNT_FIELDS if isinstance(getattr(source.config, f, None), int)]
         if not fields:
             raise PlanError(f"{source.name}: no expert count in its config to shard over --world.")
-        experts = getattr(config, fields[0])
-        top_k = getattr(config, "num_experts_per_tok", 1)
-        if experts % self.world or experts // self.world < top_k:
+        experts = getattr(source.config, fields[0])
+        if experts % self.world:  # the engine's own refusal (`expert_parallel.uneven_split`)
             raise PlanError(
                 f"{source.name}: {experts} experts over --world {self.world} ranks: expert parallelism "
-                f"needs the experts to divide evenly, at least top-k ({top_k}) per rank."
+                f"needs the experts to divide evenly (each rank holds E/{self.world}); plan a --world that "
+                f"divides {experts}."
             )
-        setattr(config, fields[0], experts // self.world)
-        return ModelSource(name=f"{source.name} (E/{self.world} per rank)", config=config)
+        return ExpertShardSource(
+            name=f"{source.name} (E/{self.world} per rank)", config=source.config,
+            local_experts=experts // self.world,
+        )  # fmt: skip
 
     def bucket_bytes(self, model: nn.Module, sonar: bool) -> int:
         """DDP's buckets on a rank: a copy of every gradient DDP reduces (Sonar and expert parallelism
@@ -114,6 +119,33 @@ class Layout:
             yield FSDP2Engine(mesh=mesh)
         finally:
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertShardSource(ModelSource):
+    """One expert-parallel rank's model: the whole model as its config builds it (the router's E
+    outputs and top-k included), each experts module holding `local_experts` experts. Its forward
+    sends every routed slot to those experts: on fake tensors only the slot count (batch x seq x top-k,
+    the rank's expected share; module docstring) and the weights' shapes set what is allocated."""
+
+    local_experts: int
+
+    def build(self, dtype: torch.dtype) -> nn.Module:
+        model = super().build(dtype)
+        for layer in discover_experts(model):
+            if layer.layout != "transformers":  # the engine shards transformers' gate_up/down experts
+                raise PlanError(f"{self.name}: --parallel ep plans transformers' experts modules, not "
+                                f"{layer.name} ({layer.layout} experts).")  # fmt: skip
+            module = model.get_submodule(layer.name)
+            for tensor in layer.tensors:  # (E, ...) weights and per-expert biases, on the meta device
+                held = torch.empty((self.local_experts, *tensor.param.shape[1:]), dtype=tensor.param.dtype,
+                                   device=tensor.param.device)  # fmt: skip
+                setattr(
+                    module, tensor.name.rpartition(".")[2], nn.Parameter(held, tensor.param.requires_grad)
+                )
+            # What discovery and the experts' forward read (a plain int attribute of the module).
+            module.num_experts = self.local_experts  # type: ignore[assignment]
+        return model
 
 
 def layout(parallel: str | None, world: int, methods: Sequence[str]) -> Layout | None:
