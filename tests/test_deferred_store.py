@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from sonar_fx.memory import measure_peak
 from sonar_fx.optim.deferred import DeferredGrads
 from sonar_fx.optim.kept_storages import storages_of
 from sonar_fx.passes.recipe import Recipe
@@ -107,3 +108,21 @@ def test_an_add_past_the_crossover_costs_the_same_at_every_contribution():
     assert store.live_bytes == 256 and store.meter is not None and store.meter.live == 256
     assert torch.equal(store.gradient(w_fd, consume=True), expected)
     assert store.live_bytes == 0 and store.meter.live == 0
+
+
+def test_a_sum_over_many_backwards_holds_the_total_and_one_piece():
+    """Four backwards' contributions are summed with at most two gradient-sized tensors alive (the
+    running total and the piece being added), as the meter is told (`alive_for_a_moment`): the
+    allocator's own events of the gradient's byte size peak at two gradients, not three (the last
+    backward's sum made while the one before it was still referenced). The sum is plain torch's."""
+    g = torch.Generator().manual_seed(2)
+    w_fd = torch.zeros(64, 64)  # 16 KiB; the operands (4 x 64 rows) are of other sizes
+    store, expected = DeferredGrads(meter=ExpertGradMeter()), None
+    for _ in range(4):  # outside any backward: each contribution is its own backward's sum
+        dy_4f, x_4d = torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)
+        store.add(w_fd, "w", MM_RECIPE, [dy_4f.t(), x_4d])
+        expected = _plus(expected, dy_4f.t().mm(x_4d))
+    nbytes = w_fd.numel() * w_fd.element_size()
+    grad, peak = measure_peak(lambda: store.gradient(w_fd, consume=True), sizes={nbytes})
+    assert peak.sized_peak_bytes == 2 * nbytes, peak
+    assert torch.equal(grad, expected) and store.crossed == {}

@@ -196,6 +196,7 @@ def _accumulate(
             total = part
         else:
             total.add_(part)
+        del part  # freed before the next backward's sum is made: the total and one piece, never two
     return total
 
 
