@@ -50,8 +50,8 @@ def test_an_add_visits_only_its_own_storages_as_contributions_grow():
     """Each add takes its own two storages in the store's ledger and in its tensor's (the crossover's
     measure), and makes as many Python calls at the 200th contribution as at the 10th: linear in the
     contributions per step, where a recount over all of a tensor's contributions at each add was
-    quadratic. The counts equal a recount from scratch (an input buffer every
-    contribution views counted once), and the step's gradient is plain torch's sum in order."""
+    quadratic. The counts equal a recount from scratch (an input buffer every contribution views
+    counted once), and the step's gradient is plain torch's sum in order."""
     g = torch.Generator().manual_seed(0)
     w_fd = torch.zeros(WIDTH, WIDTH)
     x_nd = torch.randn(200, WIDTH, generator=g)  # one buffer: every contribution keeps a row of it
