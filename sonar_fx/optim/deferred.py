@@ -94,24 +94,20 @@ class _Pending:
     folded: bool = False
     """Crossed over: `closed` holds at most one gradient; an open backward's contributions are added
     into it when autograd's AccumulateGrad for the tensor runs in that backward (`_settle`)."""
-    metered: dict[int, Tensor] = field(default_factory=dict)
-    """The gradient-sized tensors held (whole gradients, sums) as the meter counts them."""
+    operands: StorageLedger = field(default_factory=StorageLedger)
+    """The storages its kept operands live in, each once however many of them view it (an eager loop's
+    operands are views of a few buffers): the bytes its crossover rule weighs, kept up per entry."""
+    whole_entries: int = 0
+    """How many of its entries are gradients (arrived whole, or sums): all in `closed` whenever a
+    backward settles (`add_whole` settles its own at once)."""
+    metered: dict[int, list[Tensor]] = field(default_factory=dict)
+    """The gradient-sized tensors held (whole gradients, sums) as the meter counts them: id -> the
+    entries that are that tensor (a fold's sum may be the first of the entries it replaces)."""
 
     def groups(self) -> list[list[Entry]]:
         """Every backward's contributions, in the order their sums are added (a backward that raised
         and so never ended counts as ended now)."""
         return self.closed + [self.open[task] for task in sorted(self.open)]
-
-    def storages(self, *, operands_only: bool = False) -> dict[StorageId, int]:
-        """The storages its contributions keep alive, each once however many of them view it (an eager
-        loop's operands are views of a few buffers); `operands_only`: its kept operands' alone."""
-        found: dict[StorageId, int] = {}
-        for entry in (e for g in self.groups() for e in g):
-            if isinstance(entry, _Kept):
-                found.update(entry.storages)
-            elif not operands_only:
-                found.update(storages_of([entry]))
-        return found
 
     def fold_closed(self) -> bool:
         """The ended backwards' sums accumulated into one gradient (the same additions, in order).
@@ -122,6 +118,10 @@ class _Pending:
             self.closed = [[total]] if total is not None else []
             return beside
         return False
+
+
+def _flat(groups: list[list[Entry]]) -> list[Entry]:
+    return [e for g in groups for e in g]
 
 
 def _pieces(group: list[Entry]) -> int:
@@ -196,6 +196,7 @@ def _accumulate(
             total = part
         else:
             total.add_(part)
+        del part  # freed before the next backward's sum is made: the total and one piece, never two
     return total
 
 
@@ -251,7 +252,7 @@ class DeferredGrads:
         """`param`'s gradient of the backwards so far, as one (ended) backward's sum."""
         pending = self.kept.setdefault(id(param), _Pending(param))
         pending.closed.insert(0, [grad])
-        self._count(pending)
+        self._swap(pending, dropped=[], added=[grad])
 
     def _contribute(self, param: Tensor, name: str, entry: Entry, reached: Tensor | None) -> None:
         """`entry` joins its backward's contributions (`reached`: the tensor whose AccumulateGrad ends
@@ -261,18 +262,17 @@ class DeferredGrads:
             pending = self.kept[id(param)] = _Pending(param)
         task = torch._C._current_graph_task_id()
         self._group(pending, task, reached).append(entry)
-        self._count(pending)
+        self._swap(pending, dropped=[], added=[entry])
         # The crossover is the operands outgrowing the gradient (each storage they live in counted
         # once); whole gradients are summed as their backward's sum is complete (`_settle`) and never
         # cross over by themselves.
-        operands = sum(pending.storages(operands_only=True).values())
+        operands = pending.operands.live_bytes
         if not pending.folded and operands > param.numel() * param.element_size():
             pending.folded = True
             self.crossed[name] = operands
             self._fold(pending)  # the ended backwards' sums: one gradient from now on
         elif pending.folded and task == NO_TASK:
             self._fold(pending)  # a contribution outside any backward: its own, added now
-        self._count(pending)
 
     def _group(self, pending: _Pending, task: int, reached: Tensor | None) -> list[Entry]:
         """The running backward's contributions of `pending` (a call outside any backward: one of its own)."""
@@ -311,39 +311,53 @@ class DeferredGrads:
         group = pending.open.pop(task, None)
         if group:
             pending.closed.append(group)
-        whole = any(not isinstance(e, _Kept) for g in pending.closed for e in g)
-        if pending.folded or (whole and len(pending.closed) > 1):
+        if pending.folded or (pending.whole_entries and len(pending.closed) > 1):
             self._fold(pending)
 
     def _fold(self, pending: _Pending) -> None:
         """`pending`'s ended backwards accumulated into one gradient, counted: what it holds, and the
         piece that lived beside the running total for a moment (the new sum, before its add)."""
+        before = pending.closed
         beside = pending.fold_closed()
-        self._count(pending)
+        if pending.closed is not before:  # folded: a new list of one gradient (or none)
+            self._swap(pending, dropped=_flat(before), added=_flat(pending.closed))
         if beside and self.meter is not None:
             alive_for_a_moment(self.meter, pending.param.numel() * pending.param.element_size())
 
-    def _count(self, pending: _Pending) -> None:
-        """The bytes kept (`live_bytes`) and the meter's count of `pending`'s held gradient-sized tensors
-        made what it holds now: those dropped (summed into another) freed first, then those new."""
-        self._ledger.hold(id(pending.param), pending.storages())
+    def _swap(self, pending: _Pending, *, dropped: list[Entry], added: list[Entry]) -> None:
+        """The bytes kept (`live_bytes`, `pending.operands`) and the meter's count of `pending`'s held
+        gradient-sized tensors made what it holds now: `dropped` (summed into another, or let go)
+        released first, then `added` taken. Costs the entries that changed, never all it holds."""
+        for entry in dropped:
+            self._tally(pending, entry, keep=False)
+        for entry in added:
+            self._tally(pending, entry, keep=True)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if self.meter is None:
+
+    def _tally(self, pending: _Pending, entry: Entry, *, keep: bool) -> None:
+        """`entry` counted as kept (`keep`) or let go, each storage once however many entries keep it."""
+        storages = entry.storages if isinstance(entry, _Kept) else storages_of([entry])
+        change = StorageLedger.take if keep else StorageLedger.release
+        change(self._ledger, storages)
+        if isinstance(entry, _Kept):
+            change(pending.operands, storages)
             return
-        now = {id(e): e for g in pending.groups() for e in g if isinstance(e, Tensor)}
-        for key in [k for k in pending.metered if k not in now]:
-            self.meter.freed(pending.metered.pop(key))
-        for key, t in now.items():
-            if key not in pending.metered:
-                pending.metered[key] = t
-                self.meter.appeared(t, t.numel() * t.element_size())
+        pending.whole_entries += 1 if keep else -1
+        if self.meter is not None:
+            same = pending.metered.setdefault(id(entry), [])
+            if keep:
+                if not same:
+                    self.meter.appeared(entry, entry.numel() * entry.element_size())
+                same.append(entry)
+            else:
+                same.pop()
+                if not same:
+                    del pending.metered[id(entry)]
+                    self.meter.freed(entry)
 
     def _uncount(self, pending: _Pending) -> None:
-        self._ledger.hold(id(pending.param), {})
-        if self.meter is not None:
-            for t in pending.metered.values():
-                self.meter.freed(t)
-        pending.metered.clear()
+        """`pending`'s entries let go (handed to the step, or dropped)."""
+        self._swap(pending, dropped=_flat(pending.groups()), added=[])
 
     def _close(self, task: int) -> None:
         """Autograd ended graph task `task` (nested ones too: reentrant checkpointing accumulates each

@@ -5,8 +5,10 @@ reads `split()` views of one buffer (jetmoe's attention experts: every expert's 
 buffer, and its output gradient a view of `cat()`'s gradient). Counting each view's storage once per
 view counts one buffer once per expert, so a tensor's operands would seem to outgrow its gradient
 (and cross over) where the real bytes are far below it. `storages_of` names each storage once per set
-of tensors (for one expert tensor's crossover rule); `StorageLedger` counts each once across the whole
-store (its live bytes), whichever expert tensors hold it. Counts only: never touches a tensor's data.
+of tensors; `StorageLedger` counts each once while anything keeps it, kept up as things are kept and let
+go: one per expert tensor (its kept operands' bytes, for its crossover rule) and one across the whole
+store (its live bytes), whichever expert tensors hold a storage. Counts only: never touches a tensor's
+data.
 """
 
 from __future__ import annotations
@@ -33,36 +35,39 @@ def storages_of(tensors: Iterable[Tensor]) -> dict[StorageId, int]:
 
 
 class StorageLedger:
-    """Bytes of the storages any holder keeps now, each storage counted once; a holder (one expert
-    tensor's kept contributions) reports all it holds after each change (`hold`)."""
+    """Bytes of the storages kept now, each counted once however many kept tensors live in it. Each
+    kept thing is taken as it is kept and released as it is let go (`take`, `release`: the storages it
+    keeps alive), so a change costs the storages that changed, never all the ledger holds: the store
+    adds many contributions per tensor and step (micro-batches, an eager loop's E per tensor), and a
+    recount of all of them at each add was quadratic in them."""
 
     def __init__(self) -> None:
         self.live_bytes = 0
-        self._held: dict[object, dict[StorageId, int]] = {}  # holder -> its storages, as last held
-        self._holders: dict[StorageId, int] = {}  # storage -> how many holders keep it
+        self.visited = 0
+        """Storages taken or released so far: the ledger's work (its tests count it, never a timing)."""
+        self._holders: dict[StorageId, int] = {}  # storage -> how many kept things keep it
         self._bytes: dict[StorageId, int] = {}  # storage -> its bytes, as counted in `live_bytes`
 
-    def hold(self, holder: object, storages: dict[StorageId, int]) -> None:
-        """`holder` keeps `storages` now (empty: nothing): those it dropped are released first, those
-        new counted if no other holder keeps them already."""
-        before = self._held.pop(holder, {})
-        for storage in before.keys() - storages.keys():
+    def take(self, storages: dict[StorageId, int]) -> None:
+        """One more kept thing keeps `storages` alive: those no other keeps are counted."""
+        for storage, nbytes in storages.items():
+            self.visited += 1
+            self._holders[storage] = self._holders.get(storage, 0) + 1
+            # Its bytes as last seen: a kept view's storage may have been resized since another took it.
+            self.live_bytes += nbytes - self._bytes.get(storage, 0)
+            self._bytes[storage] = nbytes
+
+    def release(self, storages: dict[StorageId, int]) -> None:
+        """A kept thing that took `storages` is let go: those nothing else keeps leave the count."""
+        for storage in storages:
+            self.visited += 1
             self._holders[storage] -= 1
             if self._holders[storage] == 0:
                 del self._holders[storage]
                 self.live_bytes -= self._bytes.pop(storage)
-        for storage, nbytes in storages.items():
-            if storage not in before:
-                self._holders[storage] = self._holders.get(storage, 0) + 1
-            # A storage freed while its holder changed, its address taken by a new one: the new bytes.
-            self.live_bytes += nbytes - self._bytes.get(storage, 0)
-            self._bytes[storage] = nbytes
-        if storages:
-            self._held[holder] = dict(storages)
 
     def clear(self) -> None:
-        """Every holder dropped."""
+        """Every kept thing let go."""
         self.live_bytes = 0
-        self._held.clear()
         self._holders.clear()
         self._bytes.clear()
