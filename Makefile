@@ -33,9 +33,10 @@ docs: $(STAMP)
 # a module's shared compiled fixtures on one worker and starts the longest modules first).
 # `make test` runs every tier; `make test-fast`, the inner loop, leaves out the four markers
 # (pyproject.toml): inductor compiles and >10 s tests, multi-process, child-process and GPU tests.
-# One worker per logical CPU: xdist's `auto` counts physical cores (psutil), which is 1 on a 2-vCPU host
-# whose vCPUs are the two hyper-threads of one core (common on Intel), and would run the suite serially.
-PYTEST_WORKERS ?= logical
+# One worker per CPU this process may run on (its affinity: a container's cpuset counts, not the host's
+# CPUs). Not xdist's `auto`: it counts physical cores (psutil), which is 1 on a 2-vCPU host whose vCPUs
+# are the two hyper-threads of one core (common on Intel), and would run the suite on one worker.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)))" 2>/dev/null || echo logical)
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 FAST := not slow and not multiprocess and not subprocess and not gpu
 
