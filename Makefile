@@ -12,7 +12,7 @@ STAMP := $(VENV)/.sonar-fx-installed
 # library released yesterday cannot turn a fresh clone red; `make test-latest` is how a pin moves.
 $(STAMP): pyproject.toml constraints.txt requirements-torchtitan.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 -c constraints.txt
 	$(PY) -m pip install -q -e ".[dev]" -c constraints.txt
 	$(PY) -m pip install -q --no-deps -r requirements-torchtitan.txt
 	touch $(STAMP)
@@ -33,7 +33,10 @@ docs: $(STAMP)
 # a module's shared compiled fixtures on one worker and starts the longest modules first).
 # `make test` runs every tier; `make test-fast`, the inner loop, leaves out the four markers
 # (pyproject.toml): inductor compiles and >10 s tests, multi-process, child-process and GPU tests.
-PYTEST_WORKERS ?= auto
+# One worker per CPU this process may run on (its affinity: a container's cpuset counts, not the host's
+# CPUs). Not xdist's `auto`: it counts physical cores (psutil), which is 1 on a 2-vCPU host whose vCPUs
+# are the two hyper-threads of one core (common on Intel), and would run the suite on one worker.
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(len(os.sched_getaffinity(0)))" 2>/dev/null || echo logical)
 PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 FAST := not slow and not multiprocess and not subprocess and not gpu
 

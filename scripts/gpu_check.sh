@@ -52,7 +52,8 @@ if ((REHEARSE)); then
   SIZE=(--device cpu --tiny)
   # Inductor, as on the GPU, unless REHEARSE_COMPILER=aot_eager (the suite's rehearsal: the same script,
   # arms and pass without C++ codegen; with a cold inductor cache that one compile was most of the
-  # stage's time; tests/test_compiled_inductor.py covers the pass under inductor).
+  # stage's time; tests/test_compiled_inductor.py covers the pass under inductor). The tests stage
+  # inherits it: test_kernels_gpu.py's inductor cases compile with it on CPU (`rehearsed`).
   GPU_COMPILER=(--compiler "${REHEARSE_COMPILER:-inductor}")
   TESTS_DEVICE=(--gpu-device cpu)
   export TRITON_INTERPRET=1 OMP_NUM_THREADS=1  # Triton kernels run interpreted on CPU; one thread each

@@ -38,9 +38,10 @@ REHEARSE_COMPILER = "aot_eager"
 def rehearsal(tmp_path_factory) -> Path:
     """The rehearsal's output folder ($OUT) after one run of every stage."""
     out = tmp_path_factory.mktemp("gpu_check")
-    # The gpu stage's compiled arm under aot_eager: the same script and pass without C++ codegen (with a
-    # cold inductor cache its compile was most of the stage's time). The pass under inductor on this
-    # model class is test_compiled_inductor.py's; `make gpu-rehearsal` keeps inductor.
+    # The gpu stage's compiled arm and the kernel backends' compiled test case under aot_eager: the same
+    # scripts, test code and pass without C++ codegen (with a cold inductor cache their compiles were most
+    # of the rehearsal's time). The pass under inductor on this model class is test_compiled_inductor.py's;
+    # `make gpu-rehearsal` keeps inductor.
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "REHEARSE_COMPILER": REHEARSE_COMPILER}
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--rehearse"],
