@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 from torch.fx import Node
 
-from sonar_fx.passes.scatter_chunks import ScatteredProduct, readers_of
+from sonar_fx.passes.fused_precision import LowPrecisionFused, float32_sources, is_low_precision
+from sonar_fx.passes.scatter_chunks import ScatteredProduct, Step, readers_of
 
 
 class NotRerunnable(ValueError):
@@ -200,22 +202,50 @@ def _one_of_several_outputs(node: Node) -> bool:
     return any(u is not node for u in node.args[0].users)
 
 
-def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
+def build_program(grad: Node, *, fused_precision: bool = False) -> tuple[Program, list[Node], list[Node]]:
     """The program of the gradient `grad`: every node that computes it and nothing else (its users all
     in the program), recomputed at `step()`, over operands the graph computes anyway (placeholders,
-    nodes with other users). Returns (program, operand nodes, program nodes in graph order)."""
+    nodes with other users). Returns (program, operand nodes, program nodes in graph order).
+
+    `fused_precision` (a graph inductor compiles): a low-precision intermediate that inductor's fused
+    kernel keeps in float32 is computed in float32 by the program too, from its inputs upcast
+    (`sonar_fx.passes.fused_precision`)."""
     cone = _cone(grad)
+    try:
+        in_float32 = float32_sources(cone, grad) if fused_precision else set()
+    except LowPrecisionFused as err:
+        raise NotRerunnable(str(err)) from err
     order = {n: i for i, n in enumerate(grad.graph.nodes)}
     nodes = sorted(cone, key=order.__getitem__)
     operands: list[Node] = []
     steps: dict[Node, int] = {}
-    program = []
+    program: list[Step] = []
     for node in nodes:
         name = "getitem" if node.target is operator.getitem else str(node.target)
-        args = _encode(list(node.args), operands, steps)
+        if node in in_float32:
+            args = _upcast_args(node, program, operands, steps)
+        else:
+            args = _encode(list(node.args), operands, steps)
         program.append((name, args, _encode(dict(node.kwargs), operands, steps)))
         steps[node] = len(program) - 1
+    counters["sonar"]["float32_intermediates"] += len(in_float32)
     return Program(_in_place_on_fresh(_outputs_alone(program)), steps[grad]), operands, nodes
+
+
+UPCAST = "prims.convert_element_type.default"
+
+
+def _upcast_args(node: Node, program: list[Step], operands: list[Node], steps: dict[Node, int]) -> list[Any]:
+    """`node`'s encoded arguments, each low-precision tensor through an upcast step of its own (appended
+    to `program`): the op then computes in float32 and returns float32, unrounded."""
+    args = []
+    for arg in node.args:
+        encoded = _encode(arg, operands, steps)
+        if isinstance(arg, Node) and is_low_precision(arg):
+            program.append((UPCAST, [encoded, {"dtype": "float32"}], {}))
+            encoded = {"step": len(program) - 1}
+        args.append(encoded)
+    return args
 
 
 def _outputs_alone(
