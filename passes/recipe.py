@@ -112,19 +112,27 @@ class Program:
         scattered = self.scattered
         values: list[Any] = []
         product: list[Any] = []
+        tail: list[Any] = []
         for i, (name, args, kwargs) in enumerate(self.steps):
             fn = operator.getitem if name == "getitem" else op_named(name)
             args, kwargs = _decode(args, operands, values), _decode(kwargs, operands, values)
             if scattered is not None and i == scattered.product:
                 # Computed by the put, chunk by chunk. Its first operand stands in for it where the
                 # buffer's new_zeros reads it (for its dtype and device, which a bmm's operands share).
-                product = args
+                product = [fn, *args]
+                values.append(args[0])
+            elif scattered is not None and i in scattered.tail:  # a cast of each chunk's product
+                tail.append(functools.partial(_applied, fn, args[1:], kwargs))
                 values.append(args[0])
             elif scattered is not None and i == scattered.put:
-                values.append(scattered.run(fn, args, *product))
+                values.append(scattered.run(fn, args, *product, tail=tail))
             else:
                 values.append(fn(*args, **kwargs))
         return values[self.result]
+
+
+def _applied(fn: Any, rest: list[Any], kwargs: dict[str, Any], first: Tensor) -> Any:
+    return fn(first, *rest, **kwargs)
 
 
 @functools.cache

@@ -113,7 +113,8 @@ def test_batched_mm_under_inductor_is_its_inductor_standard_run():
     """Inductor decomposes the weight gradient's bmm (one contraction) into a float32 mul, fused with
     the activation `act(gate) * up` recomputed in backward and never rounded to bf16; the program
     computes that intermediate in float32 too (passes/fused_precision.py). Bitwise the same model's
-    standard run compiled with inductor over 3 steps, clip over all, 2 micro-batches. Negative control:
+    standard run compiled with inductor over 3 steps, clip over all, 2 micro-batches, the step's product
+    in chunks (tests/test_scatter_chunks.py). Negative control:
     the intermediate rounded to bf16, as a program run op by op had it, is another gradient."""
     counters.clear()
     model, opt, twin_model, twin = pair("batched_mm", "inductor", torch.bfloat16)
@@ -127,6 +128,7 @@ def test_batched_mm_under_inductor_is_its_inductor_standard_run():
     model(**batches(1)[0]).loss.backward()
     (entry,) = [e for e in opt.deferred.entries() if _float32_mul(load_recipe(e.recipe)) is not None]
     program = load_recipe(entry.recipe)
+    assert program.scattered is not None  # the step runs inductor's float32 product in chunks
     rounded = Program(_rounded(program), program.result)
     assert not torch.equal(program.run(entry.operands), rounded.run(entry.operands))
     opt.zero_grad()
