@@ -9,7 +9,9 @@ expert's weight) would cost more than the gradient. Both are plain data, written
 as a string constant: a graph served from a compile cache in another process still carries it, and
 nothing in it names a particular parameter (which parameter is found at run time, as for the update
 op). `run` calls the same ops on the same operands, so the gradient comes out bitwise as the graph (or
-autograd) would have made it. Pure torch: never imports training code.
+autograd) would have made it; where inductor's fused kernel keeps a low-precision intermediate in
+float32, a program built for an inductor graph computes it so too (`fused_precision`). Pure torch:
+never imports training code.
 """
 
 from __future__ import annotations
