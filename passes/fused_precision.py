@@ -74,7 +74,7 @@ def float32_sources(cone: Collection[Node], result: Node) -> set[Node]:
     for node in cone:
         if node is result or not _rounds(node):
             continue
-        readers = _readers_through_views(node, cone)
+        readers = _readers_through_views(node, cone, result)
         if readers and all(_is_upcast(r) for r in readers):
             if node.target not in EXACT_IN_FLOAT32:
                 raise LowPrecisionFused(
@@ -82,7 +82,7 @@ def float32_sources(cone: Collection[Node], result: Node) -> set[Node]:
                     "in float32, with float32 code of its own a program cannot reproduce bitwise"
                 )
             sources.add(node)
-        elif not all(r.target in REALIZING for r in readers):
+        elif not all(r.target in REALIZING or r is result for r in readers):
             names = sorted({str(r.target) for r in readers})
             raise LowPrecisionFused(
                 f"{node.target} computes a {_dtype(node)} value that {names} read inside one fused "
@@ -104,7 +104,7 @@ def _rounds(node: Node) -> bool:
     """`node` computes a low-precision value from tensors (eager rounds it; a fused kernel may not)."""
     if node.op != "call_function" or not is_low_precision(node) or _preserves_values(node):
         return False
-    return any(isinstance(a, Node) for a in node.all_input_nodes)
+    return bool(node.all_input_nodes)
 
 
 def _preserves_values(node: Node) -> bool:
@@ -118,12 +118,13 @@ def _is_upcast(node: Node) -> bool:
     return node.target in UPCASTS and _dtype(node) in (torch.float32, torch.float64)
 
 
-def _readers_through_views(node: Node, cone: Collection[Node]) -> list[Node]:
-    """The cone's readers of `node`'s values, following value-preserving nodes to their readers."""
+def _readers_through_views(node: Node, cone: Collection[Node], result: Node) -> list[Node]:
+    """The cone's readers of `node`'s values, following value-preserving nodes to their readers (the
+    result, a view or not, counts as one: the graph returns it in its own dtype)."""
     readers, todo = [], [u for u in node.users if u in cone]
     while todo:
         user = todo.pop()
-        if _preserves_values(user):
+        if _preserves_values(user) and user is not result:
             todo.extend(u for u in user.users if u in cone)
         else:
             readers.append(user)

@@ -78,14 +78,20 @@ def test_an_intermediate_it_cannot_reproduce_is_not_rerunnable(fn, why):
     program_of(fn, fused=False)  # aot_eager runs op by op, as the program does
 
 
-def test_a_value_stored_before_it_is_read_keeps_its_rounding():
+def _product_put(gate, up, dy):
+    ids = torch.arange(S) % 4
+    return torch.zeros(4, N, dtype=torch.bfloat16).index_put((ids,), gate * up, accumulate=True)
+
+
+def _product_returned_as_a_view(gate, up, dy):
+    return (gate * up).t()
+
+
+@pytest.mark.parametrize("fn", [_product_put, _product_returned_as_a_view])
+def test_a_value_stored_before_it_is_read_keeps_its_rounding(fn):
     """A bf16 product read by an accumulating index_put (a fallback kernel under inductor: it reads the
-    values stored in bf16, rounded as in eager) is left as it is."""
-
-    def product_put(gate, up, dy):
-        ids = torch.arange(S) % 4
-        return torch.zeros(4, N, dtype=torch.bfloat16).index_put((ids,), gate * up, accumulate=True)
-
-    fused, unfused = program_of(product_put, fused=True), program_of(product_put, fused=False)
+    values stored in bf16, rounded as in eager), or returned, is left as it is."""
+    fused, unfused = program_of(fn, fused=True), program_of(fn, fused=False)
     assert fused[0].steps == unfused[0].steps
     assert "aten.mul.Tensor" in [name for name, _, _ in fused[0].steps]  # the product is in the program
+    assert run(*fused).dtype == torch.bfloat16
