@@ -114,8 +114,8 @@ def test_batched_mm_under_inductor_is_its_inductor_standard_run():
     the activation `act(gate) * up` recomputed in backward and never rounded to bf16; the program
     computes that intermediate in float32 too (passes/fused_precision.py). Bitwise the same model's
     standard run compiled with inductor over 3 steps, clip over all, 2 micro-batches, the step's product
-    in chunks (tests/test_scatter_chunks.py). Negative control:
-    the intermediate rounded to bf16, as a program run op by op had it, is another gradient."""
+    in chunks (tests/test_scatter_chunks.py). Negative control: the intermediate rounded to bf16, as a
+    program run op by op had it, is another gradient."""
     counters.clear()
     model, opt, twin_model, twin = pair("batched_mm", "inductor", torch.bfloat16)
     totals = run_steps(model, opt, twin, accum=2)
