@@ -277,6 +277,8 @@ def _outputs_alone(
 
 
 _FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default", "aten.new_full.default"}
+_CONSTANTS_OF_NOTHING = {"aten.zeros.default", "aten.full.default"}
+"""Buffers made from constants alone (no tensor input): a program makes its own rather than keep one."""
 
 
 def _in_place_on_fresh(
@@ -301,7 +303,10 @@ def _cone(grad: Node) -> set[Node]:
     """`grad` and, walking back in graph order (so a node's users are all decided before it), each node
     whose every user is in: what backward computes only for this gradient. A multi-output op behind a
     getitem comes in even with other users (pinned: the graph still runs it for its other outputs, so
-    its own inputs stay alive there and are kept as operands, never computed again)."""
+    its own inputs stay alive there and are kept as operands, never computed again). A constant with
+    no inputs (a zero-filled buffer) comes in whoever else reads it: the graph may share one between
+    gradients of the same shape (inductor's CSE merges the layers' `full` calls), and keeping it would
+    keep a gradient-sized operand that the program makes for nothing."""
     cone, pinned = {grad}, set()
     nodes = list(grad.graph.nodes)
     for node in reversed(nodes[: nodes.index(grad)]):
@@ -309,6 +314,9 @@ def _cone(grad: Node) -> set[Node]:
             continue
         if all(u in cone and u not in pinned for u in node.users):
             cone.add(node)
+        elif str(node.target) in _CONSTANTS_OF_NOTHING and not node.all_input_nodes:
+            if any(u in cone and u not in pinned for u in node.users):
+                cone.add(node)
         elif any(u in cone and u not in pinned and u.target is operator.getitem for u in node.users):
             cone.add(node)
             pinned.add(node)

@@ -95,3 +95,24 @@ def test_a_value_stored_before_it_is_read_keeps_its_rounding(fn):
     assert fused[0].steps == unfused[0].steps
     assert "aten.mul.Tensor" in [name for name, _, _ in fused[0].steps]  # the product is in the program
     assert run(*fused).dtype == torch.bfloat16
+
+
+def test_a_zero_buffer_the_graph_shares_is_made_by_each_program():
+    """Inductor's CSE merges the layers' `full` zero buffers of one shape into one node: a program makes
+    its own rather than keep that gradient-sized buffer as an operand (which crossed every batched_mm
+    tensor over under inductor: no saving left)."""
+
+    def two_puts(gate, up, dy):
+        ids = torch.arange(S) % 4
+        zeros = torch.zeros(4, N, dtype=torch.bfloat16)
+        first = zeros.index_put((ids,), gate * up, accumulate=True)
+        return first, zeros.index_put((ids,), gate * dy[:, :N, 0].repeat(1, 2)[:, :N], accumulate=True)
+
+    gm = make_fx(two_puts, tracing_mode="fake")(*operands())
+    (output,) = gm.graph.find_nodes(op="output")
+    (zeros,) = [n for n in gm.graph.nodes if str(n.target) in ("aten.zeros.default", "aten.full.default")]
+    assert len(zeros.users) == 2  # one buffer read by both gradients
+    for grad in output.args[0]:
+        program, operand_nodes, _ = build_program(grad)
+        assert zeros not in operand_nodes  # (the ids, shared too, are kept: they are small)
+        assert str(zeros.target) in [name for name, _, _ in program.steps]
