@@ -61,11 +61,15 @@ def expert_defer_pass(
     fw_gm: GraphModule,
     expert_inputs: Collection[int],
     own_operands: bool = True,
+    fused_precision: bool = False,
 ) -> GraphModule:
     """Replace each expert gradient output of `bw_gm` by one `sonar_fx::expert_defer_`; return it.
 
     `own_operands`: the op copies its operands (needed under inductor, whose generated code reuses
-    the storage of buffers it considers dead; aot_eager runs the graph as written)."""
+    the storage of buffers it considers dead; aot_eager runs the graph as written).
+    `fused_precision`: a program computes in float32 the low-precision intermediates that inductor's
+    fused kernels keep in float32 (`sonar_fx.passes.fused_precision`; inductor only: aot_eager rounds
+    them as the program does)."""
     grads = find_expert_grads(fw_gm, bw_gm, expert_inputs)
     (output,) = bw_gm.graph.find_nodes(op="output")
     returned = list(output.args[0])
@@ -77,7 +81,7 @@ def expert_defer_pass(
             counters["sonar"]["left_to_hooks"] += 1
             continue
         try:
-            recipe, operands, computed = _recipe(eg)
+            recipe, operands, computed = _recipe(eg, fused_precision=fused_precision)
         except NotRerunnable:
             counters["sonar"][f"kept:{eg.kind}"] += 1
             continue
@@ -116,7 +120,7 @@ def _token(bw_gm: GraphModule, like: Node) -> Node:
     return node
 
 
-def _recipe(eg: ExpertGrad) -> tuple[Recipe | Program, list[Node], list[Node]]:
+def _recipe(eg: ExpertGrad, *, fused_precision: bool) -> tuple[Recipe | Program, list[Node], list[Node]]:
     """The recipe of `eg`'s gradient, its operand nodes, and the nodes it computes again (in graph
     order): the producer and its views, or a program where a single op would keep a tensor the graph
     computes only for this gradient (`recipe.needs_program`)."""
@@ -125,7 +129,7 @@ def _recipe(eg: ExpertGrad) -> tuple[Recipe | Program, list[Node], list[Node]]:
     if not needs_program(operands, set(chain)):
         return recipe, operands, chain
     try:
-        return build_program(eg.grad)
+        return build_program(eg.grad, fused_precision=fused_precision)
     except NotRerunnable:
         return recipe, operands, chain  # the single op still re-runs: its operands kept as they are
 

@@ -9,7 +9,9 @@ expert's weight) would cost more than the gradient. Both are plain data, written
 as a string constant: a graph served from a compile cache in another process still carries it, and
 nothing in it names a particular parameter (which parameter is found at run time, as for the update
 op). `run` calls the same ops on the same operands, so the gradient comes out bitwise as the graph (or
-autograd) would have made it. Pure torch: never imports training code.
+autograd) would have made it; where inductor's fused kernel keeps a low-precision intermediate in
+float32, a program built for an inductor graph computes it so too (`fused_precision`). Pure torch:
+never imports training code.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 from torch.fx import Node
 
+from sonar_fx.passes.fused_precision import LowPrecisionFused, float32_sources, is_low_precision
 from sonar_fx.passes.placed_sum import PlacedSum
-from sonar_fx.passes.scatter_chunks import ScatteredProduct, readers_of
+from sonar_fx.passes.scatter_chunks import ScatteredProduct, Step, readers_of
 
 
 class NotRerunnable(ValueError):
@@ -118,16 +122,20 @@ class Program:
         scattered = self.scattered
         values: list[Any] = []
         product: list[Any] = []
+        tail: list[Any] = []
         for i, (name, args, kwargs) in enumerate(self.steps):
             fn = operator.getitem if name == "getitem" else op_named(name)
             args, kwargs = _decode(args, operands, values), _decode(kwargs, operands, values)
             if scattered is not None and i == scattered.product:
                 # Computed by the put, chunk by chunk. Its first operand stands in for it where the
                 # buffer's new_zeros reads it (for its dtype and device, which a bmm's operands share).
-                product = args
+                product = [fn, *args]
+                values.append(args[0])
+            elif scattered is not None and i in scattered.tail:  # a cast of each chunk's product
+                tail.append(functools.partial(_applied, fn, args[1:], kwargs))
                 values.append(args[0])
             elif scattered is not None and i == scattered.put:
-                values.append(scattered.run(fn, args, *product))
+                values.append(scattered.run(fn, args, *product, tail=tail))
             else:
                 values.append(fn(*args, **kwargs))
         return values[self.result]
@@ -137,6 +145,10 @@ class Program:
         name, args, kwargs = self.steps[i]
         fn = operator.getitem if name == "getitem" else op_named(name)
         return fn(*_decode(args, operands, values), **_decode(kwargs, operands, values))
+
+
+def _applied(fn: Any, rest: list[Any], kwargs: dict[str, Any], first: Tensor) -> Any:
+    return fn(first, *rest, **kwargs)
 
 
 @functools.cache
@@ -226,22 +238,50 @@ def _one_of_several_outputs(node: Node) -> bool:
     return any(u is not node for u in node.args[0].users)
 
 
-def build_program(grad: Node) -> tuple[Program, list[Node], list[Node]]:
+def build_program(grad: Node, *, fused_precision: bool = False) -> tuple[Program, list[Node], list[Node]]:
     """The program of the gradient `grad`: every node that computes it and nothing else (its users all
     in the program), recomputed at `step()`, over operands the graph computes anyway (placeholders,
-    nodes with other users). Returns (program, operand nodes, program nodes in graph order)."""
+    nodes with other users). Returns (program, operand nodes, program nodes in graph order).
+
+    `fused_precision` (a graph inductor compiles): a low-precision intermediate that inductor's fused
+    kernel keeps in float32 is computed in float32 by the program too, from its inputs upcast
+    (`sonar_fx.passes.fused_precision`)."""
     cone = _cone(grad)
+    try:
+        in_float32 = float32_sources(cone, grad) if fused_precision else set()
+    except LowPrecisionFused as err:
+        raise NotRerunnable(str(err)) from err
     order = {n: i for i, n in enumerate(grad.graph.nodes)}
     nodes = sorted(cone, key=order.__getitem__)
     operands: list[Node] = []
     steps: dict[Node, int] = {}
-    program = []
+    program: list[Step] = []
     for node in nodes:
         name = "getitem" if node.target is operator.getitem else str(node.target)
-        args = _encode(list(node.args), operands, steps)
+        if node in in_float32:
+            args = _upcast_args(node, program, operands, steps)
+        else:
+            args = _encode(list(node.args), operands, steps)
         program.append((name, args, _encode(dict(node.kwargs), operands, steps)))
         steps[node] = len(program) - 1
+    counters["sonar"]["float32_intermediates"] += len(in_float32)
     return Program(_in_place_on_fresh(_outputs_alone(program)), steps[grad]), operands, nodes
+
+
+UPCAST = "prims.convert_element_type.default"
+
+
+def _upcast_args(node: Node, program: list[Step], operands: list[Node], steps: dict[Node, int]) -> list[Any]:
+    """`node`'s encoded arguments, each low-precision tensor through an upcast step of its own (appended
+    to `program`): the op then computes in float32 and returns float32, unrounded."""
+    args = []
+    for arg in node.args:
+        encoded = _encode(arg, operands, steps)
+        if isinstance(arg, Node) and is_low_precision(arg):
+            program.append((UPCAST, [encoded, {"dtype": "float32"}], {}))
+            encoded = {"step": len(program) - 1}
+        args.append(encoded)
+    return args
 
 
 def _outputs_alone(
@@ -263,6 +303,8 @@ def _outputs_alone(
 
 
 _FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default", "aten.new_full.default"}
+_CONSTANTS_OF_NOTHING = {"aten.zeros.default", "aten.full.default"}
+"""Buffers made from constants alone (no tensor input): a program makes its own rather than keep one."""
 
 
 def _in_place_on_fresh(
@@ -287,7 +329,10 @@ def _cone(grad: Node) -> set[Node]:
     """`grad` and, walking back in graph order (so a node's users are all decided before it), each node
     whose every user is in: what backward computes only for this gradient. A multi-output op behind a
     getitem comes in even with other users (pinned: the graph still runs it for its other outputs, so
-    its own inputs stay alive there and are kept as operands, never computed again)."""
+    its own inputs stay alive there and are kept as operands, never computed again). A constant with
+    no inputs (a zero-filled buffer) comes in whoever else reads it: the graph may share one between
+    gradients of the same shape (inductor's CSE merges the layers' `full` calls), and keeping it would
+    keep a gradient-sized operand that the program makes for nothing."""
     cone, pinned = {grad}, set()
     nodes = list(grad.graph.nodes)
     for node in reversed(nodes[: nodes.index(grad)]):
@@ -295,6 +340,9 @@ def _cone(grad: Node) -> set[Node]:
             continue
         if all(u in cone and u not in pinned for u in node.users):
             cone.add(node)
+        elif str(node.target) in _CONSTANTS_OF_NOTHING and not node.all_input_nodes:
+            if any(u in cone and u not in pinned for u in node.users):
+                cone.add(node)
         elif any(u in cone and u not in pinned and u.target is operator.getitem for u in node.users):
             cone.add(node)
             pinned.add(node)

@@ -12,6 +12,11 @@ at a time instead (every slot of those experts, gathered in slot order: a bmm, t
 accumulating index_put of those slots into the gradient), freeing each group's product before the
 next one, so at most `max_slots` slots' product is alive.
 
+Under inductor the graph holds no bmm there: inductor decomposes a contraction of one into an
+elementwise float32 multiply, `downcast(mul(upcast(a), upcast(b)))`, and the program is that (see
+`sonar_fx.passes.fused_precision`). The same chunks apply: the multiply and the casts after it (the
+"tail", each read by the next alone) run on each chunk's slots, element by element as on the whole.
+
 Why this is bitwise the whole computation, and why only so:
 - the contraction is one (a: (S, m, 1), b: (S, 1, n)), so each product element is one multiplication
   rounded once, whatever GEMM kernel the batch size selects; with a longer contraction a kernel chosen
@@ -33,11 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-PRODUCT_OP = "aten.bmm.default"
+PRODUCT_OPS = ("aten.bmm.default", "aten.mul.Tensor")
+"""The product: a bmm, or (inductor's decomposition of a contraction of one) an elementwise multiply."""
+TAIL_OPS = {"prims.convert_element_type.default"}
+"""Elementwise casts between the product and the put, run on each chunk after its product."""
 ACCUMULATING_PUTS = {"aten._index_put_impl_.default", "aten.index_put_.default"}
 """In-place puts: each chunk adds into the gradient the first one wrote (a functional index_put,
 a clone per call, is run whole; the compiled pass writes it in place on its own zero buffer)."""
-FRESH = {"aten.new_zeros.default", "aten.zeros.default"}
+FRESH = {"aten.new_zeros.default", "aten.zeros.default", "aten.full.default"}
 SLAB_SHARE = 8
 """Chunks hold at most 1/SLAB_SHARE of the gradient's bytes of product (at least one expert's slots):
 the step's transient beside the gradient stays an eighth of a tensor, for about SLAB_SHARE x S/E
@@ -51,9 +59,12 @@ class ScatteredProduct:
     """Where a program computes `index_put_(zeros, [ids], bmm(a, b), accumulate=True)`."""
 
     product: int
-    """The bmm's step (read by the put alone: the put computes it chunk by chunk)."""
+    """The bmm's (or multiply's) step (read by the put or the tail alone: the put computes it chunk by
+    chunk)."""
     put: int
     """The accumulating index_put's step, writing into a buffer a zeros step made for it."""
+    tail: tuple[int, ...] = ()
+    """Casts from the product to the put's values, in order, each read by the next (then the put)."""
 
     @staticmethod
     def find(steps: Sequence[Step]) -> ScatteredProduct | None:
@@ -65,27 +76,59 @@ class ScatteredProduct:
             buffer, indices, product = _step_of(args[0]), args[1], _step_of(args[2])
             if buffer is None or product is None or not isinstance(indices, list) or len(indices) != 1:
                 continue
-            if steps[product][0] != PRODUCT_OP or steps[buffer][0] not in FRESH or readers[buffer] != [put]:
+            product, tail, consumer = _behind_casts(steps, readers, product, put)
+            op, operands, options = steps[product]
+            two_tensors = len(operands) == 2 and all(isinstance(t, dict) for t in operands) and not options
+            if op not in PRODUCT_OPS or not two_tensors:
                 continue
-            # The buffer's `new_zeros(product, size)` reads the product for its dtype and device alone.
-            if set(readers[product]) <= {put, buffer} and _template_only(steps[buffer], product):
-                return ScatteredProduct(product, put)
+            if steps[buffer][0] not in FRESH or readers[buffer] != [put]:
+                continue
+            # The buffer's `new_zeros(product, size)` reads the product for its dtype and device alone
+            # (a product in another dtype than the values, behind casts, is read by nothing else).
+            template = {buffer} if not tail else set()
+            if set(readers[product]) <= {consumer, *template} and _template_only(steps[buffer], product):
+                return ScatteredProduct(product, put, tail)
         return None
 
-    def run(self, put: Callable[..., Any], args: list[Any], a: Tensor, b: Tensor) -> Any:
-        """The put step over its decoded `args` (whose product, `args[2]`, was not computed), from the
-        product's operands `a` and `b`; returns what the put returns."""
+    def run(
+        self, put: Callable[..., Any], args: list[Any], product: Callable[..., Tensor], a: Tensor, b: Tensor,
+        tail: Sequence[Callable[[Tensor], Tensor]] = (),
+    ) -> Any:  # fmt: skip
+        """The put step over its decoded `args` (whose values, `args[2]`, were not computed), from the
+        product's op and operands `a` and `b` and the `tail` casts; returns what the put returns."""
         buffer, (ids,), rest = args[0], args[1], args[3:]
-        bmm = torch.ops.aten.bmm.default
+
+        def values(a: Tensor, b: Tensor) -> Tensor:
+            out = product(a, b)
+            for cast in tail:
+                out = cast(out)
+            return out
+
         chunks = _expert_chunks(buffer, ids, a, b)
         if chunks is None:  # not the one-contraction form over whole experts: the whole product
-            return put(buffer, [ids], bmm(a, b), *rest)
+            return put(buffer, [ids], values(a, b), *rest)
         out = buffer
         for slots in chunks:
-            chunk = bmm(a.index_select(0, slots), b.index_select(0, slots))
+            chunk = values(a.index_select(0, slots), b.index_select(0, slots))
             out = put(buffer, [ids.index_select(0, slots)], chunk, *rest)
             del chunk  # freed before the next chunk's product
         return out
+
+
+def _behind_casts(
+    steps: Sequence[Step], readers: dict[int, list[int]], values: int, put: int
+) -> tuple[int, tuple[int, ...], int]:
+    """From the put's values step back through casts each read by its successor alone: (the product
+    step, the casts in order, the step that reads the product)."""
+    casts: list[int] = []
+    step, consumer = values, put
+    while steps[step][0] in TAIL_OPS and readers.get(step) == [consumer]:
+        source = _step_of(steps[step][1][0])
+        if source is None:
+            break
+        casts.insert(0, step)
+        step, consumer = source, step
+    return step, tuple(casts), consumer
 
 
 def _expert_chunks(buffer: Tensor, ids: Tensor, a: Tensor, b: Tensor) -> list[Tensor] | None:
@@ -98,7 +141,8 @@ def _expert_chunks(buffer: Tensor, ids: Tensor, a: Tensor, b: Tensor) -> list[Te
     if not ids.shape[0] == a.shape[0] == b.shape[0] > 0:
         return None
     slots, experts = ids.shape[0], buffer.shape[0]
-    per_slot = buffer[0].nbytes
+    # (a float32 product of a bf16 gradient, as inductor's decomposition computes it, is twice as large)
+    per_slot = buffer[0].numel() * max(buffer.element_size(), a.element_size(), b.element_size())
     max_slots = max(1, buffer.nbytes // SLAB_SHARE // per_slot)
     if slots <= max_slots or bool((ids < 0).any()):  # (a negative id wraps: left to the whole put)
         return None

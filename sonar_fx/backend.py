@@ -202,12 +202,14 @@ def schedule_pass(
     optimizer: SonarOptimizer | None, bw_pass: BackwardPass, compiler: str, schedule: str | None
 ) -> tuple[BackwardPass, dict[str, Any]]:
     """The backward pass for `schedule` (None: the owner's): the deferred schedule hands operands over
-    instead of updating (its op copies them under inductor, which reuses buffers it considers dead)."""
+    instead of updating (under inductor its op copies them, as inductor reuses buffers it considers
+    dead, and a program computes in float32 what inductor's fused kernels keep in float32)."""
     if schedule is None:
         schedule = optimizer.schedule if optimizer is not None else "in_backward"
     if schedule != "deferred" or bw_pass is not expert_update_pass:
         return bw_pass, {}
-    return expert_defer_pass, {"own_operands": compiler == "inductor"}
+    inductor = compiler == "inductor"
+    return expert_defer_pass, {"own_operands": inductor, "fused_precision": inductor}
 
 
 _warned_unprepared = False

@@ -107,6 +107,11 @@ PATHS = {
     "deferred_batched_mm_aot_eager_accum1": SavingPath(
         compiler="aot_eager", schedule="deferred", experts="batched_mm", operands_prediction=True
     ),
+    # Under inductor the product is a float32 multiply (chunked as well) and the layers share one zero
+    # buffer node, which each program makes for itself (kept, it crossed every tensor over).
+    "deferred_batched_mm_inductor": SavingPath(
+        compiler="inductor", schedule="deferred", experts="batched_mm", operands_prediction=True
+    ),
 }
 
 

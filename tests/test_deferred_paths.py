@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sonar_fx
 from sonar_fx.memory import ExpertGradBytes
 from sonar_fx.models import build_model
-from sonar_fx.passes.recipe import Program, load_recipe
+from sonar_fx.passes.recipe import UPCAST, Program, load_recipe
 
 from helpers import assert_same_weights, batches
-from test_deferred import MAX_NORM, Twin, cfg_for
+from test_deferred import MAX_NORM, Twin, cfg_for, run_steps
 
 PATHS = {
     "batched_mm": ("tiny-olmoe", "batched_mm"),
@@ -105,6 +105,57 @@ def test_each_path_keeps_operands_and_is_its_standard_run(path, compiler, dtype)
         assert counters["sonar"]["deferred"] == experts  # every expert output of the one graph rewritten
     if (path, compiler) == ("batched_mm", "aot_eager"):  # each gathered weight's rows gathered again
         assert counters["sonar"]["gathers_recomputed"] == experts, counters["sonar"]
+
+
+@pytest.mark.slow  # two inductor compiles
+@pytest.mark.usefixtures("deferred_saving_lost", "deterministic")  # 2 micro-batches cross over
+def test_batched_mm_under_inductor_is_its_inductor_standard_run():
+    """Inductor decomposes the weight gradient's bmm (one contraction) into a float32 mul, fused with
+    the activation `act(gate) * up` recomputed in backward and never rounded to bf16; the program
+    computes that intermediate in float32 too (passes/fused_precision.py). Bitwise the same model's
+    standard run compiled with inductor over 3 steps, clip over all, 2 micro-batches, the step's product
+    in chunks (tests/test_scatter_chunks.py). Negative control: the intermediate rounded to bf16, as a
+    program run op by op had it, is another gradient."""
+    counters.clear()
+    model, opt, twin_model, twin = pair("batched_mm", "inductor", torch.bfloat16)
+    totals = run_steps(model, opt, twin, accum=2)
+    assert all(t > MAX_NORM for t in totals), totals
+    assert_same_weights(model, twin_model)
+    experts = len(opt.expert_group["params"])
+    report = opt.report()
+    assert report["deferred"]["kept_whole"] == [] and report["updates_deferred"] == 3 * experts, report
+    assert counters["sonar"]["deferred"] == experts and counters["sonar"]["float32_intermediates"] == 1
+    model(**batches(1)[0]).loss.backward()
+    (entry,) = [e for e in opt.deferred.entries() if _float32_mul(load_recipe(e.recipe)) is not None]
+    program = load_recipe(entry.recipe)
+    assert program.scattered is not None  # the step runs inductor's float32 product in chunks
+    rounded = Program(_rounded(program), program.result)
+    assert not torch.equal(program.run(entry.operands), rounded.run(entry.operands))
+    opt.zero_grad()
+
+
+def _float32_mul(program) -> int | None:
+    """The step of `program` that multiplies two operands upcast to float32 (the fused intermediate)."""
+    if not isinstance(program, Program):
+        return None
+    upcast_operands = {
+        i for i, (name, args, _) in enumerate(program.steps) if name == UPCAST and "operand" in args[0]
+    }
+    for i, (name, args, _) in enumerate(program.steps):
+        steps = [a.get("step") for a in args if isinstance(a, dict)]
+        if name == "aten.mul.Tensor" and len(steps) == 2 and set(steps) <= upcast_operands:
+            return i
+    return None
+
+
+def _rounded(program: Program) -> list:
+    """`program`'s steps with its float32 intermediate computed in bf16, from the operands themselves."""
+    steps = list(program.steps)
+    i = _float32_mul(program)
+    assert i is not None
+    name, args, kwargs = steps[i]
+    steps[i] = (name, [program.steps[a["step"]][1][0] for a in args], kwargs)
+    return steps
 
 
 @pytest.mark.usefixtures("deferred_saving_lost")

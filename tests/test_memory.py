@@ -29,10 +29,11 @@ SLOW = (
     "batched_mm_aot_eager",
     "deferred_batched_mm_aot_eager",
     "deferred_batched_mm_aot_eager_accum1",
+    "deferred_batched_mm_inductor",
 )
 """Compiled paths whose warning and refusal tests/test_saving_guard.py also checks, and compiled
 batched_mm, which tests/test_deferred_paths.py also trains (2-3 s each on a quiet machine, 6-11 s
-loaded); the deferred schedule's compiled claim stays in the fast tier."""
+loaded; inductor's compile longer); the deferred schedule's compiled claim stays in the fast tier."""
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_experts=32, num_layers=4)
 

@@ -1,7 +1,8 @@
 """The deferred step computes a gathered weight's gradient (batched_mm: `index_put_(zeros, [ids],
 bmm(a, b), accumulate=True)`) a few experts at a time (`sonar_fx.passes.scatter_chunks`): bitwise
 autograd's gradient of `W[ids]` then bmm, over random routings (skewed, experts with no slot, fp32 and
-bf16, both layouts, the eager and the compiled program), with far less of the product alive; the
+bf16, both layouts, the eager and the compiled programs: aot_eager's bmm, inductor's float32 multiply),
+with far less of the product alive; the
 backward of the eager capture gathers the rows again instead of saving them (`_GatheredBmm`).
 """
 
@@ -33,6 +34,25 @@ def compiled_program(shape: tuple[int, ...], dtype: torch.dtype) -> Program:
             ("aten.index_put_.default", [{"step": 1}, [{"operand": 2}], {"step": 0}, True], {}),
         ],
         result=2,
+    )
+
+
+def inductor_program(shape: tuple[int, ...], dtype: torch.dtype) -> Program:
+    """The program the compiled pass builds under inductor, which decomposes the bmm (a contraction of
+    one) into a float32 multiply of the upcast operands, cast back to the gradient's dtype."""
+    name = str(dtype).removeprefix("torch.")
+    convert, float32 = "prims.convert_element_type.default", {"dtype": "float32"}
+    full_kwargs = {"dtype": {"dtype": name}, "layout": {"layout": "strided"}, "device": {"device": "cpu"}}
+    return Program(
+        [
+            (convert, [{"operand": 0}, float32], {}),
+            (convert, [{"operand": 1}, float32], {}),
+            ("aten.mul.Tensor", [{"step": 0}, {"step": 1}], {}),
+            (convert, [{"step": 2}, {"dtype": name}], {}),
+            ("aten.full.default", [list(shape), 0], full_kwargs),
+            ("aten.index_put_.default", [{"step": 4}, [{"operand": 2}], {"step": 3}, True], {}),
+        ],
+        result=5,
     )
 
 
@@ -88,7 +108,9 @@ def test_chunked_gradient_is_autograds_bitwise(monkeypatch, dtype, weight_first,
         shape = tuple(w.shape)
         eager = _gather_program(shape, weight_first).run(eager_operands(other, dy, ids, weight_first))
         compiled = compiled_program(shape, dtype).run(compiled_operands(other, dy, ids, weight_first))
+        inductor = inductor_program(shape, dtype).run(compiled_operands(other, dy, ids, weight_first))
         assert torch.equal(eager, expected) and torch.equal(compiled, expected), seed
+        assert torch.equal(inductor, expected), seed
     assert chunked >= len(SEEDS) // 2, chunked  # most cases ran in several chunks (not all whole)
 
 
@@ -151,3 +173,24 @@ def test_gathered_bmm_saves_the_weight_not_the_rows_and_gives_bmms_input_gradien
         w.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(y, x, dy)
+
+
+def test_inductors_float32_product_is_chunked_too():
+    """Inductor's form (a float32 multiply, cast to bf16, then the put): the multiply and its cast run
+    per chunk, so the step holds a share of the float32 product (twice the bf16 gradient's bytes per
+    slot), not all of it; run whole (the negative control), the whole float32 product is alive."""
+    experts, m, n, per_expert = 32, 64, 128, 4
+    ids = torch.arange(experts).repeat_interleave(per_expert)
+    dy, x = torch.randn(len(ids), m, 1).bfloat16(), torch.randn(len(ids), 1, n).bfloat16()
+    program = inductor_program((experts, m, n), torch.bfloat16)
+    assert program.scattered is not None and len(program.scattered.tail) == 1
+    grad_bytes = experts * m * n * 2
+    upcast_operands = 2 * (dy.nbytes + x.nbytes)  # the float32 operands, whole, and a chunk's share
+    chunked, peak = measure_peak(lambda: program.run([dy, x, ids]))
+    share = 2 * grad_bytes // scatter_chunks.SLAB_SHARE  # a chunk's float32 product
+    assert peak.peak_bytes <= grad_bytes + share + share // 2 + 2 * upcast_operands + 4096
+    with pytest.MonkeyPatch().context() as patch:
+        patch.setattr(scatter_chunks, "_expert_chunks", lambda *_: None)
+        whole, whole_peak = measure_peak(lambda: program.run([dy, x, ids]))
+    assert whole_peak.peak_bytes >= grad_bytes + 2 * per_expert * grad_bytes
+    assert torch.equal(chunked, whole)
