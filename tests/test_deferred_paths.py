@@ -116,7 +116,6 @@ def test_batched_mm_under_inductor_is_its_inductor_standard_run():
     standard run compiled with inductor over 3 steps, clip over all, 2 micro-batches, the step's product
     in chunks (tests/test_scatter_chunks.py). Negative control: the intermediate rounded to bf16, as a
     program run op by op had it, is another gradient."""
-    counters.clear()
     model, opt, twin_model, twin = pair("batched_mm", "inductor", torch.bfloat16)
     totals = run_steps(model, opt, twin, accum=2)
     assert all(t > MAX_NORM for t in totals), totals
@@ -124,7 +123,8 @@ def test_batched_mm_under_inductor_is_its_inductor_standard_run():
     experts = len(opt.expert_group["params"])
     report = opt.report()
     assert report["deferred"]["kept_whole"] == [] and report["updates_deferred"] == 3 * experts, report
-    assert counters["sonar"]["deferred"] == experts and counters["sonar"]["float32_intermediates"] == 1
+    # Not the pass's counters: a warm inductor cache serves the graph without running the pass. The
+    # programs the graph hands the store say what it did: one has the float32 intermediate.
     model(**batches(1)[0]).loss.backward()
     (entry,) = [e for e in opt.deferred.entries() if _float32_mul(load_recipe(e.recipe)) is not None]
     program = load_recipe(entry.recipe)

@@ -8,6 +8,7 @@ never a time, and check the counts against a recount from scratch and the gradie
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 
@@ -26,18 +27,23 @@ WIDTH = 512
 
 
 def python_calls(call: Callable[..., object], *args: object) -> int:
-    """Python frames entered while `call(*args)` runs (a loop over a tensor's entries: one per entry)."""
+    """Python frames entered while `call(*args)` runs (a loop over a tensor's entries: one per entry).
+    The cyclic collector is off meanwhile: a collection inside the call runs whatever callbacks earlier
+    tests left (gc.callbacks, weakref finalizers) and counts their frames."""
     calls = 0
 
     def profile(frame: object, event: str, arg: object) -> None:
         nonlocal calls
         calls += event == "call"
 
+    gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         call(*args)
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 
