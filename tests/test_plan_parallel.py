@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from sonar_fx.cli import main
-from sonar_fx.config import AdamWConfig, ConfigFieldError
+from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertSet, discover_experts
 from sonar_fx.memory import ExpertGradBytes, measure_peak
 from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import tiny_config
-from sonar_fx.planner import PlanError, plan
+from sonar_fx.planner import PlanError, plan, planning
 from sonar_fx.planner.models import model_source
 from sonar_fx.planner.modes import OFFSET_BYTES
 from sonar_fx.planner.parallel import Layout
@@ -178,15 +178,27 @@ def test_a_plain_fsdp2_rank_holds_every_unsharded_gradient_of_the_unsynced_micro
     assert (fsdp2_plan.parallel, fsdp2_plan.world) == ("fsdp2", 2)
 
 
-def test_an_fsdp2_plan_leaves_no_process_group_and_refuses_to_run_inside_one():
-    """The plan's fake process group is destroyed after it, also when a method is refused (FSDP2 runs no
-    oib_all: refused by name, and left out of the default methods); inside a process group of the
-    caller's, the plan is refused before it makes one."""
+def test_an_fsdp2_plan_leaves_no_process_group_and_refuses_to_run_inside_one(monkeypatch):
+    """The plan's fake process group is destroyed after it, also when planning a method fails inside it;
+    inside a process group of the caller's, the plan is refused before it makes one. The distributed
+    engines run no oib_all: left out of their default methods, refused by name before any model is
+    built (DDP's and expert parallelism's plans run one process's step, which would plan it)."""
     config = tiny_config("tiny-olmoe", **SHAPE)
-    assert "oib_all" not in default_methods("fsdp2") and "oib_all" in default_methods("ddp")
-    with pytest.raises(ConfigFieldError, match="'oib_all' is not available on the fsdp2 engine"):
-        plan(config, methods=("oib_all",), parallel="fsdp2", world=2, **KW)
+    assert "oib_all" in default_methods(None)
+    for engine in ("ddp", "ep", "fsdp2"):
+        assert "oib_all" not in default_methods(engine) and "sonar" in default_methods(engine)
+        with pytest.raises(PlanError, match=rf"\['oib_all'\] are not available on the {engine} engine"):
+            plan(config, methods=("standard", "oib_all"), parallel=engine, world=2, **KW)
+
+    def fails(*args, **kwargs):
+        assert dist.is_initialized()  # inside FSDP2's fake process group
+        raise RuntimeError("a method that fails while planned")
+
+    monkeypatch.setattr(planning, "MethodRun", fails)
+    with pytest.raises(RuntimeError, match="fails while planned"):
+        plan(config, methods=("standard",), parallel="fsdp2", world=2, **KW)
     assert not dist.is_initialized()
+    monkeypatch.undo()
     dist.init_process_group("fake", rank=0, world_size=2)
     try:
         with pytest.raises(PlanError, match="has a process group already"):

@@ -200,6 +200,7 @@ def plan(
         else parse_bytes(budget) if budget is not None else None
     )  # fmt: skip
     rank = layout(parallel, world, methods)
+    _check_engine_runs(parallel, methods)
     source = model_source(model_or_config)
     source = rank.source(source) if rank is not None else source
     planned, expert_grad, cross = [], None, None
@@ -246,12 +247,27 @@ def plan(
 
 
 def default_methods(parallel: str | None) -> tuple[str, ...]:
-    """`DEFAULT_METHODS` that the engine of `--parallel` runs: on FSDP2, which runs its own step, every
-    one but `oib_all` (a method it does not run, refused by name when asked for)."""
-    if parallel != "fsdp2":
+    """`DEFAULT_METHODS` that the engine of `--parallel` runs (the distributed engines run no `oib_all`;
+    naming a method the engine does not run is refused: `_check_engine_runs`)."""
+    if parallel is None:
         return DEFAULT_METHODS
-    runs = ENGINES[parallel].methods or ()
-    return tuple(m for m in DEFAULT_METHODS if PLAN_METHODS[m][0] in runs)
+    return tuple(m for m in DEFAULT_METHODS if _engine_runs(parallel, m))
+
+
+def _engine_runs(parallel: str, method: str) -> bool:
+    runs = ENGINES[parallel].methods
+    return runs is None or PLAN_METHODS[method][0] in runs
+
+
+def _check_engine_runs(parallel: str | None, methods: Sequence[str]) -> None:
+    """Refuse planning a rank of an engine with a method that engine does not run (before any model is
+    built: DDP and expert parallelism plan one process's step, which would run it)."""
+    refused = [m for m in methods if parallel in ENGINES and not _engine_runs(parallel, m)]
+    if refused:
+        raise PlanError(
+            f"methods {refused!r} are not available on the {parallel} engine (`sonar-fx finetune "
+            f"--parallel {parallel}` refuses them too): plan {', '.join(default_methods(parallel))}."
+        )
 
 
 class BudgetError(PlanError):

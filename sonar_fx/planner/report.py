@@ -47,7 +47,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=tuple(PLAN_METHODS),
         metavar="METHOD",
-        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}, less oib_all on fsdp2; also: "
+        help=f"methods to plan (default: {' '.join(DEFAULT_METHODS)}, less oib_all with --parallel, which "
+        "no distributed engine runs; also: "
         f"{', '.join(m for m in PLAN_METHODS if m not in DEFAULT_METHODS)})",
     )
     add(
