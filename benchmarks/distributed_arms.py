@@ -57,6 +57,10 @@ class Config:
 
 
 QUICK = Config(shape="olmoe-micro", seq=16, accum=2, rounds=2)
+"""`--quick`: a smoke test of every code path (its time ratios are labelled so, never graded; it writes
+results/distributed_deferred_smoke)."""
+SMOKE_SHAPES = ("olmoe-micro",)
+"""Shapes too small for a time ratio to mean anything (`distributed_deferred.smoke_test`)."""
 
 
 # ---------------------------------------------------------------------------------------- the arms

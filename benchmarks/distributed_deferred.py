@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from benchmarks import common
 from benchmarks.common import Goal, Mode, Output, Override, Table, goal, mib
-from benchmarks.distributed_arms import ENGINES, MAX_NORM, QUICK, Arm, Config, build, steps_of
+from benchmarks.distributed_arms import ENGINES, MAX_NORM, QUICK, SMOKE_SHAPES, Arm, Config, build, steps_of
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, paired_ratio
@@ -228,6 +228,22 @@ def _extra_gemms(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> float:
     return took
 
 
+MEASURED_ROUNDS = 15
+"""Paired rounds the project reports a time ratio from (fewer: a smoke test)."""
+
+
+def smoke_test(cfg: Config) -> str | None:
+    """Why `cfg`'s time ratios measure nothing (None: they are a measurement): too few paired rounds
+    for a median and IQR on a shared machine, or the micro model, whose step is Python, hooks and
+    gloo's latency rather than the expert GEMMs and collectives the ratio compares."""
+    why = []
+    if cfg.shape in SMOKE_SHAPES:
+        why.append(f"{SHAPES[cfg.shape].describe()}, whose step is Python and gloo latency, not GEMMs")
+    if cfg.rounds < MEASURED_ROUNDS:
+        why.append(f"{cfg.rounds} paired rounds (a measurement takes {MEASURED_ROUNDS})")
+    return "; ".join(why) or None
+
+
 # ------------------------------------------------------------------------------------------ processes
 
 
@@ -333,8 +349,13 @@ def time_table(rows: list[TimeRow], cfg: Config) -> Table:
         "computed once more from the kept operands, timed apart) / the plain step. Shared 2-core machine: "
         "ratios, not absolute times."
     )
+    title = "Time per rank"
+    smoke = smoke_test(cfg)
+    if smoke is not None:
+        title += ": a SMOKE TEST, not a measurement"
+        note = f"SMOKE TEST: {smoke}. These ratios show that both arms ran, nothing more. {note}"
     headers = ["engine", "rank", "clip", "plain step ms", "deferred / plain", "floor (extra GEMMs)"]
-    return Table(title="Time per rank", headers=headers, rows=body, note=note)
+    return Table(title=title, headers=headers, rows=body, note=note)
 
 
 def _floor(r: TimeRow) -> float | None:
@@ -343,7 +364,9 @@ def _floor(r: TimeRow) -> float | None:
     return 1.0 + statistics.median(r.extra_gemm_s) / statistics.median(r.plain_s)
 
 
-def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
+def goals(memory: list[MemoryRow], times: list[TimeRow], cfg: Config) -> list[Goal]:
+    """Each rank's goals; a smoke test's time ratios are not graded (shown, "not measured")."""
+    smoke = smoke_test(cfg) is not None
     out = []
     for r in memory:
         out.append(goal(f"{SCRIPT}.saving", f"{r.engine} rank {r.rank}: saving / expected",
@@ -356,7 +379,9 @@ def goals(memory: list[MemoryRow], times: list[TimeRow]) -> list[Goal]:
     for t in times:
         if t.clip == "dense":
             name = f"{t.engine} rank {t.rank}: dense-only clip, deferred / plain"
-            out.append(goal(f"{SCRIPT}.dense_time", name, paired_ratio(t.deferred_s, t.plain_s)))
+            ratio = paired_ratio(t.deferred_s, t.plain_s)
+            shown = f"{fmt_ratio(ratio)} (smoke test)" if smoke else None
+            out.append(goal(f"{SCRIPT}.dense_time", name, None if smoke else ratio, shown))
     return out
 
 
@@ -374,7 +399,7 @@ def run_plan(cfg: Config) -> Output:
     """`--plan`: memory only, the plan graded against the counted peak (no time rounds)."""
     memory = measured_and_planned(cfg)
     return Output(tables=[plan_table(memory), memory_table(memory, cfg)],
-                  goals=[g for g in goals(memory, []) if "planned" in g.name],
+                  goals=[g for g in goals(memory, [], cfg) if "planned" in g.name],
                   records=[asdict(r) for r in memory])  # fmt: skip
 
 
@@ -383,9 +408,17 @@ def run(cfg: Config) -> Output:
     times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
     tables = [memory_table(memory, cfg), plan_table(memory)] + ([time_table(times, cfg)] if times else [])
     records = [asdict(r) for r in memory] + [asdict(t) for t in times]
-    # Another choice of engines (`--engines fsdp2`) never overwrites the default run's results.
-    partial_run = None if cfg.engines == Config().engines else "_".join((SCRIPT, *cfg.engines))
-    return Output(tables=tables, goals=goals(memory, times), records=records, script=partial_run)
+    return Output(tables=tables, goals=goals(memory, times, cfg), records=records, script=results_name(cfg))
+
+
+def results_name(cfg: Config) -> str | None:
+    """Where a run that is not the default one writes (None: results/distributed_deferred): another
+    choice of engines (`--engines fsdp2`) and a smoke test (`--quick`, `*_smoke`, never shown in the
+    docs) never overwrite the default run's results."""
+    name = SCRIPT if cfg.engines == Config().engines else "_".join((SCRIPT, *cfg.engines))
+    if smoke_test(cfg) is not None:
+        name += "_smoke"
+    return None if name == SCRIPT else name
 
 
 TIMELINE = Mode(flag="--timeline", script="distributed_timeline",

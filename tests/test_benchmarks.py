@@ -296,6 +296,40 @@ def test_a_partial_run_is_shown_as_the_script_whose_name_it_extends_longest():
     assert question != distributed.__doc__.strip().split("\n")[0]
 
 
+def _time_rows(plain_s: float, deferred_s: float, rounds: int) -> list:
+    from benchmarks.distributed_deferred import TimeRow
+
+    return [TimeRow(engine="ddp", rank=0, clip="dense", plain_s=[plain_s] * rounds,
+                    deferred_s=[deferred_s] * rounds, extra_gemm_s=[])]  # fmt: skip
+
+
+def test_distributed_deferred_quick_says_its_ratios_are_a_smoke_test_and_grades_none():
+    """`--quick` (the micro model, 2 rounds): its time table says it is a smoke test and why, its time
+    goal shows the ratio ungraded, and it writes *_smoke (never shown, never over the measured run);
+    the default run's table and goal are a measurement, graded."""
+    from benchmarks import distributed_deferred as dd
+    from benchmarks.distributed_arms import QUICK, Config
+
+    slow = _time_rows(1.0, 2.0, QUICK.rounds)  # 2.00x: MISSED if it were graded
+    table, (graded,) = dd.time_table(slow, QUICK), dd.goals([], slow, QUICK)
+    assert "SMOKE TEST" in table.title and "olmoe-micro" in table.note and "2 paired rounds" in table.note
+    assert graded.status == common.NOT_MEASURED and graded.measured.startswith("2.00x")
+    assert dd.results_name(QUICK) == "distributed_deferred_smoke"
+    assert (
+        dd.results_name(dataclasses.replace(QUICK, engines=("fsdp2",))) == "distributed_deferred_fsdp2_smoke"
+    )
+    # Either reason alone makes it a smoke test: the full model with 2 rounds, the micro one with 15.
+    assert "2 paired rounds" in dd.smoke_test(dataclasses.replace(Config(), rounds=2))
+    assert "olmoe-micro" in dd.smoke_test(dataclasses.replace(QUICK, rounds=dd.MEASURED_ROUNDS))
+    # The negative control: the default run measures, and is graded.
+    measured = _time_rows(1.0, 2.0, Config().rounds)
+    table, (graded,) = dd.time_table(measured, Config()), dd.goals([], measured, Config())
+    assert dd.smoke_test(Config()) is None and "SMOKE" not in table.title + table.note
+    assert graded.status == "MISSED"
+    assert dd.results_name(Config()) is None
+    assert dd.results_name(dataclasses.replace(Config(), engines=("fsdp2",))) == "distributed_deferred_fsdp2"
+
+
 def test_replace_between_markers_keeps_the_rest():
     text = f"a\n{readme.START}\nold\n{readme.END}\nb\n"
     assert readme.replace_between_markers(text, "new") == f"a\n{readme.START}\nnew\n{readme.END}\nb\n"
