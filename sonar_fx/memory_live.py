@@ -9,7 +9,8 @@ dispatch mode that learns of each storage an op allocates (an output its schema 
 input, on the thread it measures) and of its free through a weak reference, whose callback runs on
 whichever thread frees it; a counted storage resized in place (FSDP2's unsharded parameters) is
 re-read whenever an op sees it. Its peak is the most storage bytes
-alive at once, sampled after every op, absolute: the tensors alive at the start are counted too.
+alive at once, sampled after every op, absolute: the tensors alive at the start are counted too; the
+caller may name what the region is doing (`phase`), and `peak_phase` is the name it had at the peak.
 Not seen: a kernel's scratch inside one op (the profiler's events hold it), memory a collective's own
 thread allocates. Never: change what it measures (it only reads tensors and holds weak references).
 """
@@ -47,6 +48,10 @@ class LiveStorageMeter(TorchDispatchMode):
         self.peak_bytes = constant_bytes
         self.frees_elsewhere = 0
         """Frees seen on a thread other than the one measured (the ones the profiler misses)."""
+        self.phase = ""
+        """What the region is doing now, as its caller names it ("backward", "step")."""
+        self.peak_phase = ""
+        """`phase` when the peak was reached (the start's peak: "")."""
         self._thread = threading.get_ident()
         for t in [*alive, *self.resizable]:
             self._see(t)
@@ -72,7 +77,8 @@ class LiveStorageMeter(TorchDispatchMode):
                     self._see(t, allocated=ret.alias_info is None and _key(t) not in read)
         for t in [*inputs, *self.resizable]:
             self._see(t, allocated=False)
-        self.peak_bytes = max(self.peak_bytes, self.now)
+        if self.now > self.peak_bytes:
+            self.peak_bytes, self.peak_phase = self.now, self.phase
         return out
 
     def _see(self, t: Tensor, *, allocated: bool = True) -> None:

@@ -255,3 +255,15 @@ def test_a_storage_resized_in_place_is_reread_after_every_op():
         gathered.untyped_storage().resize_(0)
         torch.ones(MIB // 4).add_(1)
     assert meter.peak_bytes == MIB + 4
+
+
+def test_the_peak_is_named_by_the_phase_it_was_reached_in():
+    """The caller names what the region is doing; the peak keeps the name it had when reached: here the
+    first phase's 2 MiB, not the second's 1 MiB (negative control: the phase the region ended in)."""
+    with LiveStorageMeter() as meter:
+        meter.phase = "backward"
+        (torch.ones(MIB // 4) * 2).sum()  # ones(), its product: 2 MiB at once
+        meter.phase = "step"
+        torch.ones(MIB // 4).sum()
+    assert meter.peak_bytes >= 2 * MIB
+    assert meter.peak_phase == "backward" and meter.phase == "step"
