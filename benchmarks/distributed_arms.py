@@ -107,6 +107,15 @@ class Arm:
         groups = [g for s in states if (g := s._fsdp_param_group) is not None]
         return [t for g in groups for fp in g.fsdp_params for t in fp.all_gather_outputs]
 
+    def held(self) -> list[torch.Tensor]:
+        """What the deferred store holds now (kept operands, gradients kept whole or folded at the
+        crossover): a compiled graph's kept op folds a sum inside its own body, where the meter's mode
+        does not see it made."""
+        if self.sonar is None:
+            return []
+        entries = [e for pending in self.sonar.deferred.kept.values() for g in pending.groups() for e in g]
+        return [t for e in entries for t in ([e] if torch.is_tensor(e) else e.operands) if torch.is_tensor(t)]
+
     def bucket_bytes(self) -> int:
         """DDP's bucket buffers: alive for the run, exposed by no tensor of the model."""
         return ddp_bucket_bytes(self.run) if isinstance(self.run, DDP) else 0

@@ -124,7 +124,7 @@ def _measure_step(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> _Measured:
     """One step measured two ways at once: the profiler's allocator events and the live storages."""
     start = arm.start_bytes(micro)
     meter = LiveStorageMeter(
-        arm.alive(micro), constant_bytes=arm.bucket_bytes(), resizable=arm.all_gather_outputs()
+        arm.alive(micro), constant_bytes=arm.bucket_bytes(), resizable=arm.all_gather_outputs(), held=arm.held
     )
 
     def step() -> None:
