@@ -9,16 +9,20 @@ dispatch mode that learns of each storage an op allocates (an output its schema 
 input, on the thread it measures) and of its free through a weak reference, whose callback runs on
 whichever thread frees it; a counted storage resized in place (FSDP2's unsharded parameters) is
 re-read whenever an op sees it. Its peak is the most storage bytes
-alive at once, sampled after every op, absolute: the tensors alive at the start are counted too.
+alive at once, sampled after every op, absolute: the tensors alive at the start are counted too; the
+caller may name what the region is doing (`phase`), and `peak_phase` is the name it had at the peak.
 Not seen: a kernel's scratch inside one op (the profiler's events hold it), memory a collective's own
-thread allocates. Never: change what it measures (it only reads tensors and holds weak references).
+thread allocates, and a tensor an op's own Python body makes and keeps without returning it (a custom
+op's body runs below the mode: the deferred store's sum, folded inside a compiled graph's kept op),
+unless the caller hands the holder's tensors in (`held`: re-read after every op).
+Never: change what it measures (it only reads tensors and holds weak references).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -32,7 +36,12 @@ class LiveStorageMeter(TorchDispatchMode):
     """`with LiveStorageMeter(alive) as meter: step()`, then `meter.peak_bytes` (absolute)."""
 
     def __init__(
-        self, alive: Iterable[Tensor] = (), *, constant_bytes: int = 0, resizable: Iterable[Tensor] = ()
+        self,
+        alive: Iterable[Tensor] = (),
+        *,
+        constant_bytes: int = 0,
+        resizable: Iterable[Tensor] = (),
+        held: Callable[[], Iterable[Tensor]] | None = None,
     ) -> None:
         super().__init__()
         self.constant_bytes = constant_bytes
@@ -40,6 +49,9 @@ class LiveStorageMeter(TorchDispatchMode):
         self.resizable = list(resizable)
         """Tensors whose storage is resized in place, outside any op (FSDP2's all-gather outputs: freed by
         a resize to 0 bytes): re-read after every op, so such a free is seen when it happens."""
+        self.held = held
+        """The tensors something holds now, read after every op: a storage first seen there counts as
+        allocated (made where the mode could not see it, inside another op's body)."""
         self._bytes: dict[int, int] = {}  # storage (its C++ object's address) -> bytes counted
         self._refs: dict[int, weakref.ref[Any]] = {}
         self._lock = threading.Lock()  # a free's callback may run on a collective's thread
@@ -47,6 +59,10 @@ class LiveStorageMeter(TorchDispatchMode):
         self.peak_bytes = constant_bytes
         self.frees_elsewhere = 0
         """Frees seen on a thread other than the one measured (the ones the profiler misses)."""
+        self.phase = ""
+        """What the region is doing now, as its caller names it ("backward", "step")."""
+        self.peak_phase = ""
+        """`phase` when the peak was reached (the start's peak: "")."""
         self._thread = threading.get_ident()
         for t in [*alive, *self.resizable]:
             self._see(t)
@@ -72,7 +88,10 @@ class LiveStorageMeter(TorchDispatchMode):
                     self._see(t, allocated=ret.alias_info is None and _key(t) not in read)
         for t in [*inputs, *self.resizable]:
             self._see(t, allocated=False)
-        self.peak_bytes = max(self.peak_bytes, self.now)
+        for t in self.held() if self.held is not None else ():
+            self._see(t)
+        if self.now > self.peak_bytes:
+            self.peak_bytes, self.peak_phase = self.now, self.phase
         return out
 
     def _see(self, t: Tensor, *, allocated: bool = True) -> None:

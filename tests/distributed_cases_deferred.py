@@ -40,7 +40,7 @@ MAX_NORM = 0.05
 MODELS = {"ddp": "tiny-olmoe", "ep": "tiny-reference"}
 """DDP: transformers' grouped_mm experts, whose GEMMs the eager capture keeps. Expert parallelism
 replaces the experts module with its own, whose grouped GEMM is Sonar's custom op: the eager capture
-leaves its gradient whole (exact, nothing saved, said by a warning); a compiled block keeps operands."""
+keeps its operands, as a compiled block's graph pass does."""
 
 
 def cfg_for(clip: str) -> sonar_fx.AdamWConfig:
@@ -406,9 +406,10 @@ def label(dtype: str, clip: str, compiler: str, accum: int, engine: str = "ddp")
 
 
 def deferred(rank: int) -> dict[str, Any]:
-    """Every case, in one spawn. With 3-4 micro-batches tiny-olmoe's expert tensors cross over, and the
-    eager EP experts are kept whole: the saving is lost by design, so the guard warns (its refusal has
-    its own tests in test_saving_guard.py)."""
+    """Every case, in one spawn. With 3-4 micro-batches tiny-olmoe's expert tensors cross over, as do
+    tiny-reference's under expert parallelism (few experts per rank, each receiving many slots): the
+    saving is lost by design, so the guard warns (its refusal has its own tests in
+    test_saving_guard.py)."""
     os.environ[ON_SAVING_LOST_ENV] = "warn"
     out: dict[str, Any] = {label(*case): exact(rank, *case) for case in EXACT + EXACT_EP}
     out["control/sync_every"] = against_sync_every_micro_batch(rank)

@@ -1,11 +1,17 @@
 """Expert-parallel cases of the deferred schedule's spawn (`test_distributed_deferred`) beside those of
-`distributed_cases_deferred`: one expert per rank, and an inf in one rank's experts only.
+`distributed_cases_deferred`: one expert per rank, an inf in one rank's experts only, and the eager
+step's memory.
 
 With as many experts as ranks each rank holds (1, out, in) expert tensors; expert discovery takes them
 because the experts module declares it holds one rank's share. Under nonfinite="skip", an inf in one
 expert gradient of rank 1 only (kept as an operand until step(); nothing else non-finite) skips the
 step on every rank: the verdict is over every rank, so no rank moves a weight, and the next steps
 train bitwise as the plain engine that skips the same step (its clip's norm is not finite there).
+
+The memory case meters one eager step of each arm (`LiveStorageMeter`: the storages alive at once, frees
+on every thread) on a shape whose kept operands stay below every expert gradient, and, as the negative
+control, on one where they outgrow each gradient within a micro-batch (one expert per rank at top-2: it
+receives every routed slot), where the deferred step keeps the gradients whole and saves nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from distributed_cases_deferred_sharded_scaler import poison_one_expert_
 from distributed_cases_options import ENGINES, ep_global_clip_
 
 import sonar_fx.distributed as sd
+from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
@@ -102,6 +109,83 @@ def plain_skipping_the_poisoned_step(rank: int, data: list[list[dict]], clip: st
     return twin
 
 
+SAVING_MODEL = {"num_experts": 32, "hidden_size": 64, "intermediate_size": 64, "num_layers": 4}
+"""16 experts per rank: 2 micro-batches' operands (about 64 routed slots per rank each) stay below every
+expert tensor's gradient, so none crosses over and the step holds two expert tensors at most."""
+CROSSING_MODEL = {**SAVING_MODEL, "num_experts": 2}
+"""One expert per rank at top-2: each micro-batch's operands outgrow its gradient (the crossover)."""
+
+
+def eager_memory(rank: int, model_kw: dict[str, Any]) -> dict[str, Any]:
+    """fp32, eager, the clip over every parameter, 2 micro-batches per step, 3 steps of each arm, the
+    last one metered: the deferred schedule and the plain engine (`plain_skipping_the_poisoned_step`'s
+    recipe). Reports both peaks and the bytes alive as each step began, what the deferred step kept,
+    the crossover warnings and the tensors that differ."""
+    data = data_of(rank, 2)
+    run, opt, model = deferred_ep(model_kw)
+
+    def deferred_step(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        backwards(run, micro_batches)
+        opt.step()
+        opt.zero_grad()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        deferred_meter = metered_last_step(deferred_step, data, model, opt)
+    report = opt.report()["deferred"]
+    torch._dynamo.reset()
+    twin = build_model(MODELS["ep"], dtype=torch.float32, seed=0, **model_kw)
+    wrapped = ENGINES["ep"].standard(twin, "eager")
+    dense, experts, twin_opt = plain_adamw(twin)
+
+    def plain_step(micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        backwards(wrapped, micro_batches)
+        for p in experts:
+            p.grad.mul_(ENGINES["ep"].expert_scale)
+        ep_global_clip_(dense, experts, MAX_NORM)
+        twin_opt.step()
+        twin_opt.zero_grad()
+
+    plain_meter = metered_last_step(plain_step, data, twin, twin_opt)
+    sizes = [p.numel() * p.element_size() for p in experts]
+    return {
+        "differ": differ(model, twin),
+        "plain_peak": plain_meter.peak_bytes,
+        "deferred_peak": deferred_meter.peak_bytes,
+        "plain_start": plain_meter.start_bytes,
+        "deferred_start": deferred_meter.start_bytes,
+        "expert_bytes": sum(sizes),
+        "biggest_expert": max(sizes),
+        "expert_tensors": len(sizes),
+        "kept_bytes": opt.deferred.last_peak_bytes,
+        "crossed_over": sorted(report["crossed_over"]),
+        "kept_whole": report["kept_whole"],
+        "crossover_warnings": [str(w.message) for w in caught if "outgrew" in str(w.message)],
+    }
+
+
+def deferred_ep(model_kw: dict[str, Any]) -> tuple[Any, Any, torch.nn.Module]:
+    torch._dynamo.reset()
+    model = build_model(MODELS["ep"], dtype=torch.float32, seed=0, **model_kw)
+    run = sd.expert_parallel(model, cfg_for("all"), schedule="deferred")
+    return run, run.sonar, model
+
+
+def metered_last_step(
+    step: Any, data: list[list[dict[str, torch.Tensor]]], model: torch.nn.Module, opt: Any
+) -> LiveStorageMeter:
+    """`step` over every step of `data`, the last under a meter that counts, from its start, the
+    weights, the optimizer's states, the buffers and the batch (no gradient is alive between steps)."""
+    for micro_batches in data[:-1]:
+        step(micro_batches)
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    batch = [t for b in data[-1] for t in b.values()]
+    meter = LiveStorageMeter([*model.parameters(), *states, *model.buffers(), *batch])
+    with meter:
+        step(data[-1])
+    return meter
+
+
 def ep_cases(rank: int) -> dict[str, Any]:
     """These cases; at 2 experts each expert gets most tokens, so its kept operands outgrow its
     gradient (the crossover: no saving on this tiny shape, said by a warning, as `deferred` has it)."""
@@ -110,6 +194,8 @@ def ep_cases(rank: int) -> dict[str, Any]:
         "ep/one_expert_per_rank": exact(rank, *ONE_EXPERT_PER_RANK, model_kw=ONE_EXPERT_PER_RANK_MODEL),
         "ep/inf_in_one_ranks_experts": inf_in_one_ranks_experts(rank, "all"),
         "ep/inf_in_one_ranks_experts/dense": inf_in_one_ranks_experts(rank, "dense"),
+        "ep/eager_memory": eager_memory(rank, SAVING_MODEL),
+        "ep/eager_memory/crossed_over": eager_memory(rank, CROSSING_MODEL),
     }
 
 

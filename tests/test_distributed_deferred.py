@@ -120,6 +120,27 @@ def test_deferred_on_expert_parallel_with_one_expert_per_rank_equals_the_plain_e
     assert len({run["digest"] for run in runs}) == len(runs), "each rank holds its own expert"
 
 
+def test_deferred_on_eager_expert_parallel_saves_the_expert_gradients_less_the_kept_operands(ranks):
+    """One eager step of 2 micro-batches, the clip over every parameter, metered on each rank (the
+    storages alive at once): the deferred step's peak lies below the plain engine's by at least the
+    rank's expert-gradient bytes less two expert tensors and the kept operands (no tensor crossed over),
+    and trains bitwise as it. Negative control: with one expert per rank at top-2 every tensor's
+    operands outgrow its gradient within a micro-batch; the step keeps the gradients whole (a warning
+    says so) and saves nothing."""
+    for run in [r["ep/eager_memory"] for r in ranks]:
+        assert run["differ"] == [], run["differ"][:3]
+        assert run["crossed_over"] == [] and run["kept_whole"] == [] and run["crossover_warnings"] == []
+        assert run["plain_start"] == run["deferred_start"]  # the same weights, states and batch counted
+        expected = run["expert_bytes"] - 2 * run["biggest_expert"] - run["kept_bytes"]
+        assert expected > 0, run
+        assert run["plain_peak"] - run["deferred_peak"] >= expected, run
+    for run in [r["ep/eager_memory/crossed_over"] for r in ranks]:
+        assert run["differ"] == [], run["differ"][:3]
+        assert len(run["crossed_over"]) == run["expert_tensors"] and len(run["crossover_warnings"]) == 1
+        # the same peak, to less than one expert tensor (measured: the same bytes)
+        assert abs(run["plain_peak"] - run["deferred_peak"]) < run["biggest_expert"], run
+
+
 @pytest.mark.parametrize("clip", ["all", "dense"])
 def test_nonfinite_skip_with_an_inf_in_one_ranks_experts_skips_the_step_on_every_expert_parallel_rank(
     ranks, clip

@@ -255,3 +255,39 @@ def test_a_storage_resized_in_place_is_reread_after_every_op():
         gathered.untyped_storage().resize_(0)
         torch.ones(MIB // 4).add_(1)
     assert meter.peak_bytes == MIB + 4
+
+
+def test_the_peak_is_named_by_the_phase_it_was_reached_in():
+    """The caller names what the region is doing; the peak keeps the name it had when reached: here the
+    first phase's 2 MiB, not the second's 1 MiB (negative control: the phase the region ended in)."""
+    with LiveStorageMeter() as meter:
+        meter.phase = "backward"
+        (torch.ones(MIB // 4) * 2).sum()  # ones(), its product: 2 MiB at once
+        meter.phase = "step"
+        torch.ones(MIB // 4).sum()
+    assert meter.peak_bytes >= 2 * MIB
+    assert meter.peak_phase == "backward" and meter.phase == "step"
+
+
+_KEPT_BY_AN_OP: list[torch.Tensor] = []
+
+
+@torch.library.custom_op("sonar_fx_tests::keep_a_product", mutates_args=())
+def _keep_a_product(x: torch.Tensor) -> torch.Tensor:
+    """Makes and keeps a tensor in its own body (as the deferred store's fold inside a kept op)."""
+    _KEPT_BY_AN_OP.append(x * 2)
+    return x.sum()
+
+
+def test_a_tensor_an_ops_body_keeps_is_counted_through_held():
+    """A custom op's body runs below the mode: what it makes and keeps is seen only where the holder's
+    tensors are handed in (`held`); without them (negative control) the 1 MiB is missed."""
+    x = torch.ones(MIB // 4)
+    kept = {}
+    for handed in (False, True):
+        _KEPT_BY_AN_OP.clear()
+        with LiveStorageMeter([x], held=(lambda: list(_KEPT_BY_AN_OP)) if handed else None) as meter:
+            _keep_a_product(x)
+        kept[handed] = meter.now - meter.start_bytes
+    assert kept == {False: 0, True: MIB}
+    _KEPT_BY_AN_OP.clear()
