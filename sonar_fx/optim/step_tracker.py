@@ -140,6 +140,12 @@ class StepTracker:
     def record(self, name: str) -> None:
         self.updated[name] = self._backward_key(torch._C._current_graph_task_id())
 
+    def updated_in_open_backward(self) -> bool:
+        """Whether the backward seen beginning updated an expert yet (under accumulation="per_microbatch",
+        `updated` also holds the earlier backwards of the step)."""
+        key = ("began", self.backwards)
+        return self.rooted and any(done == key for done in self.updated.values())
+
     def backward_finished(self) -> None:
         self.open_task, self.rooted, self.create_graph = None, False, False
 
