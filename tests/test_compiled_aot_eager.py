@@ -16,7 +16,15 @@ from sonar_fx.models import build_model
 from sonar_fx.models.tiny import enable_activation_checkpointing
 
 from ablations import failing_pass, naive_update_pass
-from helpers import CFG, assert_same_weights, batches, known_library_failure, trained, weights_differ
+from helpers import (
+    CFG,
+    assert_same_weights,
+    batches,
+    expert_params,
+    known_library_failure,
+    trained,
+    weights_differ,
+)
 
 SONAR, AOT_EAGER = Method.named("sonar"), Execution(compiler="aot_eager")
 
@@ -237,3 +245,55 @@ def test_dynamo_failure_falls_back_to_hooks_and_warns_once(eager_twins):
     assert len(report["fallbacks"]) == 1 and report["fallbacks"][0].startswith("Unsupported")
     assert compiled.sonar.stats.updates == {"hook": 12}
     assert_same_weights(model, eager_twins[("tiny-olmoe", torch.bfloat16)])
+
+
+def _per_microbatch_ref(model, data, micro, *, expert_step_each_backward=True):
+    """Plain torch: experts step (fused AdamW, unclipped) after each micro-batch's backward; the dense
+    tensors accumulate and step once per `micro` micro-batches, clipped by their global norm.
+    `expert_step_each_backward=False` is ordinary accumulation: the negative control."""
+    kwargs = {"lr": CFG.lr, "betas": CFG.betas, "eps": CFG.eps, "weight_decay": CFG.weight_decay}
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    dense = [p for n, p in model.named_parameters() if ".experts." not in n]
+    expert_opt = torch.optim.AdamW(experts, fused=True, **kwargs)
+    dense_opt = torch.optim.AdamW(dense, fused=True, **kwargs)
+    for i in range(0, len(data), micro):
+        for b in data[i : i + micro]:
+            (model(**b).loss / micro).backward()
+            if expert_step_each_backward:
+                expert_opt.step()
+                expert_opt.zero_grad()
+        torch.nn.utils.clip_grad_norm_(dense, CFG.max_grad_norm)
+        dense_opt.step()
+        dense_opt.zero_grad()
+        if not expert_step_each_backward:
+            expert_opt.step()
+            expert_opt.zero_grad()
+
+
+@known_library_failure(compiled_vs_eager=True)
+def test_whole_model_per_microbatch_accumulation_equals_plain_torch():
+    """Compiled whole: the model's forward hook and the graph's mark both see each backward begin. With
+    the step's earlier micro-batches already updated, the hook told the tracker a second time and the
+    tracker read the backward it was in as one that had raised part-way (InterruptedStepError at the
+    second micro-batch)."""
+    micro, data = 4, batches(8)
+    torch._dynamo.reset()
+    model = sonar_fx.compile(
+        build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0), CFG, compiler="aot_eager",
+        accumulation="per_microbatch",
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="per_microbatch"):
+        for i in range(0, len(data), micro):
+            for b in data[i : i + micro]:
+                (model(**b).loss / micro).backward()
+            model.sonar.step()
+            model.sonar.zero_grad()
+    assert model.sonar.report()["updates_in_graph"] == len(data) * len(expert_params(model))
+    twin = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    _per_microbatch_ref(twin, data, micro)
+    assert_same_weights(model, twin)
+    ordinary = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    _per_microbatch_ref(ordinary, data, micro, expert_step_each_backward=False)
+    assert set(weights_differ(model, ordinary)) >= {
+        n for n, _ in model.named_parameters() if ".experts." in n
+    }

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import sonar_fx
+from sonar_fx.errors import InterruptedStepError
 from sonar_fx.models import build_model
 from sonar_fx.models.tiny import enable_activation_checkpointing
+from sonar_fx.optim.step_tracker import StepTracker
 
 from ablations import GRAPH_FAULT, inject_backward_fault, inject_backward_hook_fault, inject_graph_fault
 from helpers import CFG, assert_same_weights, batches
@@ -242,3 +244,41 @@ def test_a_full_backward_hook_fault_in_a_transformers_model_is_an_interrupted_st
     assert sorted(err.value.updated) == upper
     assert sorted(model.sonar.abandon_step()) == upper
     _step(model, b2)
+
+
+def test_a_backward_told_again_after_its_updates_is_not_called_one_that_raised():
+    """The tracker told twice in one running backward, with an update between: refused (the step is
+    partial), and the message says nothing raised instead of blaming a backward that raised part-way.
+    A second backward after the first one's end (accumulation) is no such case."""
+    tracker = StepTracker("per_microbatch")
+    caught: list[InterruptedStepError] = []
+
+    def told_twice(grad):
+        tracker.backward_began()
+        tracker.record("layers.0.mlp.experts.down_proj")
+        with pytest.raises(InterruptedStepError) as err:
+            tracker.backward_began()
+        caught.append(err.value)
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(told_twice)
+    y.sum().backward()
+    [error] = caught
+    assert "nothing raised" in str(error) and "raised part-way" not in str(error)
+    assert "abandon_step()" in str(error) and error.updated == ["layers.0.mlp.experts.down_proj"]
+
+    accumulating = StepTracker("per_microbatch")
+
+    def told_once(grad):
+        accumulating.backward_began()
+        accumulating.record("layers.0.mlp.experts.down_proj")
+        return grad
+
+    for _ in range(2):  # each backward begins once and ends: no error
+        y = x * 2
+        y.register_hook(told_once)
+        y.sum().backward()
+        accumulating.backward_finished()
+    assert accumulating.interrupted is None and accumulating.backwards == 2

@@ -93,13 +93,15 @@ def _began(marks: list[tuple[Any, set[str]]], *, graph: bool = False) -> None:
     """A backward reached marked outputs: tell each (owner, its fp16 autocast devices) it began, unless
     that was told already in this backward: for a graph's mark, by anything (the model's hook, or the
     mark of a graph nearer the loss, whose updates may have run); for the model's hook, by a graph's
-    mark of the same outputs, with nothing updated since (the hook's own second sighting, a second
-    forward's outputs, stays the tracker's to judge)."""
+    mark of the same outputs, with nothing updated in this backward since (the hook's own second
+    sighting, a second forward's outputs, stays the tracker's to judge). Updates of the step's earlier
+    backwards (accumulation="per_microbatch") do not count: told again, the tracker would read the
+    backward it was just told of as one that raised part-way."""
     for owner, fp16 in marks:
         refuse_fp16_autocast(fp16)
         tracker = owner.tracker
         told = tracker.rooted and tracker.open_task == torch._C._current_graph_task_id()
-        if not (told and (graph or not tracker.updated)):
+        if not (told and (graph or not tracker.updated_in_open_backward())):
             owner.backward_began()
 
 

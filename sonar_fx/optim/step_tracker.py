@@ -29,6 +29,11 @@ from sonar_fx.runtime.engine import GradientFate
 
 Accumulation = Literal["per_microbatch"] | None
 NO_TASK = -1  # what autograd reports outside any backward
+SECOND_BEGINNING = (
+    "a backward reached the model's outputs again after it had begun there and updated experts (nothing "
+    "raised: the outputs of a second forward were reached inside one backward, e.g. through the sum of two "
+    "forwards' losses; run one backward per forward)"
+)
 
 
 class StepTracker:
@@ -59,6 +64,9 @@ class StepTracker:
         of its updates (the caller then queues the end-of-backward callback on it)."""
         if self.interrupted is None and self.open_task is not None and self.updated:
             self.interrupted = list(self.updated)
+            if self.rooted and self.open_task == torch._C._current_graph_task_id():
+                # Nothing raised: the running backward, already told, is told again after its updates.
+                raise self.interrupted_error("a new backward", what=SECOND_BEGINNING)
         if self.interrupted is not None:
             raise self.interrupted_error("a new backward")
         if self.updated and self.open_task is None and self.accumulation is None:
@@ -140,6 +148,12 @@ class StepTracker:
     def record(self, name: str) -> None:
         self.updated[name] = self._backward_key(torch._C._current_graph_task_id())
 
+    def updated_in_open_backward(self) -> bool:
+        """Whether the backward seen beginning updated an expert yet (under accumulation="per_microbatch",
+        `updated` also holds the earlier backwards of the step)."""
+        key = ("began", self.backwards)
+        return self.rooted and any(done == key for done in self.updated.values())
+
     def backward_finished(self) -> None:
         self.open_task, self.rooted, self.create_graph = None, False, False
 
@@ -159,11 +173,13 @@ class StepTracker:
         self.updated, self.open_task, self.interrupted, self.rooted = {}, None, None, False
         self.left_out, self.create_graph = {}, False
 
-    def interrupted_error(self, at: str) -> InterruptedStepError:
+    def interrupted_error(self, at: str, *, what: str | None = None) -> InterruptedStepError:
+        """`what` happened (default: `at` was called after a backward that raised part-way)."""
         names = self.interrupted or []
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        what = what or f"{at} was called after a backward that raised part-way"
         return InterruptedStepError(
-            f"Sonar: {at} was called after a backward that raised part-way: it had already updated "
+            f"Sonar: {what}: it had already updated "
             f"{len(names)} expert tensor(s) in-backward ({shown or 'none'}), and those updates cannot be "
             "taken back. To go on, call optimizer.abandon_step() (drops this step's dense gradients; the "
             "experts keep their update, so the run is no longer bitwise equal to an uninterrupted one), or "
