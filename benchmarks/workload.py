@@ -11,7 +11,7 @@ sees a new shape. This module never measures anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -63,13 +63,23 @@ class ModelShape:
         )
 
 
+OLMOE_CPU = ModelShape(
+    name="olmoe-cpu",
+    base="tiny-olmoe",
+    experts=64,
+    top_k=8,
+    hidden=384,
+    intermediate=192,
+    layers=4,
+    heads=6,
+    kv_heads=6,
+)
+
+
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        ModelShape(
-            name="olmoe-cpu", base="tiny-olmoe", experts=64, top_k=8, hidden=384, intermediate=192,
-            layers=4, heads=6, kv_heads=6,
-        ),
+        OLMOE_CPU,
         # n = d/2 rather than Granite's d/3: at d=512 that keeps expert gradients as dominant over
         # activations as they are at full width (d=1536), which is the regime the paper measures.
         ModelShape(
@@ -79,14 +89,8 @@ SHAPES: dict[str, ModelShape] = {
         # olmoe-cpu with fewer experts per rank than top-k under expert parallelism on 2 ranks
         # (`distributed_deferred --plan --shape`): 8 experts of top-8 (4 per rank, every token's slots
         # reach both ranks), and as many experts as ranks (2 of top-2: one expert per rank).
-        ModelShape(
-            name="olmoe-cpu-8e", base="tiny-olmoe", experts=8, top_k=8, hidden=384, intermediate=192,
-            layers=4, heads=6, kv_heads=6,
-        ),
-        ModelShape(
-            name="olmoe-cpu-2e", base="tiny-olmoe", experts=2, top_k=2, hidden=384, intermediate=192,
-            layers=4, heads=6, kv_heads=6,
-        ),
+        replace(OLMOE_CPU, name="olmoe-cpu-8e", experts=8, top_k=8),
+        replace(OLMOE_CPU, name="olmoe-cpu-2e", experts=2, top_k=2),
         # Small enough for smoke tests: seconds per arm, compiled or not.
         ModelShape(
             name="olmoe-micro", base="tiny-olmoe", experts=8, top_k=2, hidden=32, intermediate=16,

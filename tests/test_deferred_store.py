@@ -52,6 +52,17 @@ def _plus(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
     return term if total is None else total + term
 
 
+def _add(store: DeferredGrads, w: torch.Tensor, operands: list, calls: dict, counted: int | None) -> int:
+    """`store.add` of `w`'s contribution over `operands`: the storages it visited; its Python calls go to
+    `calls[counted]` when `counted` is given."""
+    before = store._ledger.visited
+    if counted is not None:
+        calls[counted] = python_calls(store.add, w, "w", MM_RECIPE, operands)
+    else:
+        store.add(w, "w", MM_RECIPE, operands)
+    return store._ledger.visited - before
+
+
 def test_an_add_visits_only_its_own_storages_as_contributions_grow():
     """Each add takes its own two storages in the store's ledger and in its tensor's (the crossover's
     measure), and makes as many Python calls at the 200th contribution as at the 10th: linear in the
@@ -66,13 +77,7 @@ def test_an_add_visits_only_its_own_storages_as_contributions_grow():
     visits, calls, expected = [], {}, None
     for i in range(200):
         dy_1f, x_1d = torch.randn(1, WIDTH, generator=g), x_nd[i : i + 1]
-        before = store._ledger.visited
-        operands = [dy_1f.t(), x_1d]
-        if i in (9, 199):
-            calls[i] = python_calls(store.add, w_fd, "w", MM_RECIPE, operands)
-        else:
-            store.add(w_fd, "w", MM_RECIPE, operands)
-        visits.append(store._ledger.visited - before)
+        visits.append(_add(store, w_fd, [dy_1f.t(), x_1d], calls, i if i in (9, 199) else None))
         kept += [dy_1f, x_1d]
         expected = _plus(expected, dy_1f.t().mm(x_1d))
         if i in (0, 9, 199):
@@ -99,13 +104,7 @@ def test_an_add_past_the_crossover_costs_the_same_at_every_contribution():
     visits, calls, expected = [], {}, None
     for i in range(60):
         dy_4f, x_4d = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)  # 128 bytes each
-        before = store._ledger.visited
-        operands = [dy_4f.t(), x_4d]
-        if i in (9, 59):
-            calls[i] = python_calls(store.add, w_fd, "w", MM_RECIPE, operands)
-        else:
-            store.add(w_fd, "w", MM_RECIPE, operands)
-        visits.append(store._ledger.visited - before)
+        visits.append(_add(store, w_fd, [dy_4f.t(), x_4d], calls, i if i in (9, 59) else None))
         expected = _plus(expected, dy_4f.t().mm(x_4d))
     assert store.crossed == {"w": 2 * 256}  # crossed at the second add: 512 bytes of operands > 256
     # First add: take 2. Second: take 2, then the fold releases 4 and takes the sum. Then each: take
