@@ -25,6 +25,8 @@ sides (DDP: `no_sync()`; FSDP2: `set_requires_gradient_sync(False)`; on all but 
   the floor of that ratio);
 - `--timeline` (`benchmarks.deferred_timeline`): live memory through one DDP step on each rank, each
   expert gradient's all-reduce marked from its start to its wait.
+`--quick`, alone or with `--plan` / `--timeline`, is a smoke test of the code paths: labelled so and
+written to <its results name>_smoke, never over the measured results (`benchmarks.distributed_runs`).
 This module never asserts anything; the goals table grades it.
 """
 
@@ -47,15 +49,14 @@ import torch.distributed as dist
 
 from benchmarks import common
 from benchmarks.common import Goal, Mode, Output, Override, Table, goal, mib
-from benchmarks.distributed_arms import ENGINES, MAX_NORM, QUICK, SMOKE_SHAPES, Arm, Config, build, steps_of
+from benchmarks.distributed_arms import ENGINES, MAX_NORM, QUICK, Arm, Config, build, steps_of
+from benchmarks.distributed_runs import SCRIPT, labelled_smoke, memory_only, results_name, smoke_test
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, paired_ratio
 from sonar_fx.memory import measure_peak
 from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.planner import plan
-
-SCRIPT = "distributed_deferred"
 
 # ------------------------------------------------------------------------------------------ memory
 
@@ -93,8 +94,8 @@ class MemoryRow:
     backwards) or "step" (from `step()` on)."""
     deferred_peak_in: str
     crossed_over: int
-    """Expert tensors whose kept operands outgrew their gradient (kept whole from then on: no saving
-    for them), of `expert_tensors`."""
+    """Expert tensors whose kept operands outgrew their gradient within the measured step (kept whole
+    from then on: no saving for them at that step's peak), of `expert_tensors`."""
     expert_tensors: int
 
     @property
@@ -109,7 +110,7 @@ class MemoryRow:
     def saving_cell(self) -> str:
         if self.expected > 0:
             return f"{self.saving / self.expected:.2f}"
-        return f"none expected ({self.crossed_over}/{self.expert_tensors} crossed over)"
+        return f"none expected ({self.crossed_over}/{self.expert_tensors} crossed over in the step)"
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,14 @@ class _Measured:
     profiled: int
     frees_elsewhere: int
     peak_in: str
+    crossed_over: int
+    """Deferred arm: expert tensors that crossed over in this step (0 for the plain arm)."""
 
 
 def _measure_step(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> _Measured:
     """One step measured two ways at once: the profiler's allocator events and the live storages."""
+    if arm.sonar is not None:  # the store records every crossover of the run: this step's own are counted
+        arm.sonar.deferred.crossed.clear()
     start = arm.start_bytes(micro)
     meter = LiveStorageMeter(
         arm.alive(micro), constant_bytes=arm.bucket_bytes(), resizable=arm.all_gather_outputs(), held=arm.held
@@ -135,27 +140,32 @@ def _measure_step(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> _Measured:
             arm.step()
 
     _, peak = measure_peak(step)
-    return _Measured(meter.peak_bytes, start + peak.peak_bytes, meter.frees_elsewhere, meter.peak_phase)
+    crossed = len(arm.sonar.deferred.crossed) if arm.sonar is not None else 0
+    return _Measured(
+        meter.peak_bytes, start + peak.peak_bytes, meter.frees_elsewhere, meter.peak_phase, crossed
+    )
+
+
+def measured_step(cfg: Config) -> int:
+    """The step `measure_memory` measures (counted from 1), warmup + 2: optimizer states exist, and DDP
+    has rebuilt its buckets (in the first forward after its first synced backward, a new set, the old
+    one freed: once per run)."""
+    return cfg.warmup + 2
 
 
 def measure_memory(cfg: Config, engine: str) -> MemoryRow:
-    """The clip over every parameter, plain and deferred: step 2's absolute peak on this rank."""
-    measured, kept, overlapped, crossed, arm = {}, 0, 0, 0, None
+    """The clip over every parameter, plain and deferred: `measured_step`'s absolute peak on this rank."""
+    measured, kept, overlapped, arm = {}, 0, 0, None
     for deferred in (False, True):
         arm = build(cfg, engine, deferred, "all")
-        # Measured at step warmup + 2: optimizer states exist, and DDP has rebuilt its buckets (in the
-        # first forward after its first synced backward, a new set, the old one freed: once per run).
-        steps = steps_of(cfg, cfg.warmup + 2, seed=1)
+        steps = steps_of(cfg, measured_step(cfg), seed=1)
         for micro in steps[:-1]:
             arm.train(micro)
         overlapped_before = arm.sonar.deferred.overlapped if deferred else 0
         measured[deferred] = _measure_step(arm, steps[-1])
         if deferred:
-            kept, overlapped, crossed = (
-                arm.sonar.deferred.last_peak_bytes,
-                arm.sonar.deferred.overlapped - overlapped_before,
-                len(arm.sonar.deferred.crossed),
-            )
+            kept = arm.sonar.deferred.last_peak_bytes
+            overlapped = arm.sonar.deferred.overlapped - overlapped_before
     assert arm is not None
     # What the plain engine holds: each expert tensor's whole gradient on the rank (EP: its E/world
     # experts; FSDP2 under set_requires_gradient_sync(False): every expert's unsharded gradient).
@@ -166,7 +176,8 @@ def measure_memory(cfg: Config, engine: str) -> MemoryRow:
         deferred_profiled=measured[True].profiled, frees_elsewhere=measured[True].frees_elsewhere,
         expert_bytes=sum(sizes), two_tensors=2 * max(sizes), kept_bytes=kept or 0,
         planned_plain=0, planned_peak=0, overlapped=overlapped, plain_peak_in=measured[False].peak_in,
-        deferred_peak_in=measured[True].peak_in, crossed_over=crossed, expert_tensors=len(sizes),
+        deferred_peak_in=measured[True].peak_in, crossed_over=measured[True].crossed_over,
+        expert_tensors=len(sizes),
     )  # fmt: skip
 
 
@@ -253,22 +264,6 @@ def _extra_gemms(arm: Arm, micro: list[dict[str, torch.Tensor]]) -> float:
     return took
 
 
-MEASURED_ROUNDS = 15
-"""Paired rounds the project reports a time ratio from (fewer: a smoke test)."""
-
-
-def smoke_test(cfg: Config) -> str | None:
-    """Why `cfg`'s time ratios measure nothing (None: they are a measurement): too few paired rounds
-    for a median and IQR on a shared machine, or the micro model, whose step is Python, hooks and
-    gloo's latency rather than the expert GEMMs and collectives the ratio compares."""
-    why = []
-    if cfg.shape in SMOKE_SHAPES:
-        why.append(f"{SHAPES[cfg.shape].describe()}, whose step is Python and gloo latency, not GEMMs")
-    if cfg.rounds < MEASURED_ROUNDS:
-        why.append(f"{cfg.rounds} paired rounds (a measurement takes {MEASURED_ROUNDS})")
-    return "; ".join(why) or None
-
-
 # ------------------------------------------------------------------------------------------ processes
 
 
@@ -318,6 +313,7 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
     def m(n: int) -> str:
         return f"{mib(n):.1f}"
 
+    step = measured_step(cfg)
     body = [[r.engine, str(r.rank), m(r.plain_peak), m(r.deferred_peak), m(r.saving),
              f"{r.plain_peak_in} / {r.deferred_peak_in}", m(r.expert_bytes), m(r.two_tensors),
              m(r.kept_bytes), r.saving_cell(), str(r.overlapped)]
@@ -325,16 +321,17 @@ def memory_table(rows: list[MemoryRow], cfg: Config) -> Table:
     note = (
         f"{SHAPES[cfg.shape].describe()}, {cfg.dtype}, batch {cfg.batch} x seq {cfg.seq} per rank x "
         f"{cfg.accum} micro-batches (no_sync() on all but the last), {cfg.world} gloo ranks, clip over every "
-        f"parameter; compilers {cfg.compilers}. Peak = the most storage bytes alive at once in step 3, "
+        f"parameter; compilers {cfg.compilers}. Peak = the most storage bytes alive at once in step {step}, "
         "counted from the tensors (`sonar_fx.memory_live.LiveStorageMeter`: weights, states, gradients, "
         "the batch, every op's outputs, frees on every thread; DDP's buckets included); peak in = the phase "
         "each arm's peak lies in (backward: the micro-batches; step: from step() on). expected = expert "
         "grads - two tensors - kept operands (a floor: the plain peak taken at its step; a peak in backward "
         "holds a micro-batch's activations beside every expert gradient, and the saving exceeds it); none "
-        "expected where that is 0 or less: the tensors whose operands outgrew their gradient crossed over "
-        "(kept whole, as the plain engine keeps them; the warning each rank silences here), and the goal is "
-        "that the deferred step costs nothing more. overlapped = expert gradients computed while the one "
-        "before was reduced."
+        "expected where that is 0 or less, with how many of the rank's expert tensors crossed over in the "
+        f"step (step {step}'s own count, not the run's: their operands outgrew their gradient within its "
+        "micro-batches, kept whole from then on, as the plain engine keeps them; the warning each rank "
+        "silences here), and the goal is that the deferred step costs nothing more. overlapped = expert "
+        "gradients computed while the one before was reduced."
     )
     headers = ["engine", "rank", "plain MiB", "deferred MiB", "saving MiB", "peak in (plain / deferred)",
                "expert grads MiB", "two tensors MiB", "kept operands MiB", "saving / expected",
@@ -381,13 +378,12 @@ def time_table(rows: list[TimeRow], cfg: Config) -> Table:
         "computed once more from the kept operands, timed apart) / the plain step. Shared 2-core machine: "
         "ratios, not absolute times."
     )
-    title = "Time per rank"
-    smoke = smoke_test(cfg)
-    if smoke is not None:
-        title += ": a SMOKE TEST, not a measurement"
-        note = f"SMOKE TEST: {smoke}. These ratios show that both arms ran, nothing more. {note}"
     headers = ["engine", "rank", "clip", "plain step ms", "deferred / plain", "floor (extra GEMMs)"]
-    return Table(title=title, headers=headers, rows=body, note=note)
+    table = Table(title="Time per rank", headers=headers, rows=body, note=note)
+    smoke = smoke_test(cfg)
+    if smoke is None:
+        return table
+    return labelled_smoke(table, smoke, "These ratios show that both arms ran, nothing more.")
 
 
 def _floor(r: TimeRow) -> float | None:
@@ -444,36 +440,28 @@ def run(cfg: Config) -> Output:
     times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
     tables = [memory_table(memory, cfg), plan_table(memory)] + ([time_table(times, cfg)] if times else [])
     records = [asdict(r) for r in memory] + [asdict(t) for t in times]
-    return Output(tables=tables, goals=goals(memory, times, cfg), records=records, script=results_name(cfg))
+    name = results_name(cfg, timed=bool(times))  # memory only (no rounds): no time ratio to call a smoke test
+    return Output(tables=tables, goals=goals(memory, times, cfg), records=records, script=name)
 
 
-def results_name(cfg: Config) -> str | None:
-    """Where a run that is not the default one writes (None: results/distributed_deferred): another
-    choice of engines (`--engines fsdp2`) and a smoke test (`--quick`, `*_smoke`, never shown in the
-    docs) never overwrite the default run's results."""
-    name = SCRIPT if cfg.engines == Config().engines else "_".join((SCRIPT, *cfg.engines))
-    if smoke_test(cfg) is not None:
-        name += "_smoke"
-    return None if name == SCRIPT else name
+def _run_timeline(cfg: Config) -> Output:
+    from benchmarks import deferred_timeline  # it imports this module
+
+    return deferred_timeline.run_timeline(cfg)
 
 
+# The timeline runs DDP alone, whatever --engines says: the engines do not name its results (None).
 TIMELINE = Mode(flag="--timeline", script="distributed_timeline",
                 question="When does each expert gradient's all-reduce run in the deferred step, per rank?",
                 default=Config(rounds=0), quick=replace(QUICK, rounds=0),
-                run=lambda cfg: _timeline().run_timeline(cfg))  # fmt: skip
+                run=memory_only("distributed_timeline", _run_timeline, None))  # fmt: skip
 
 
 PLAN = Mode(flag="--plan", script="distributed_plan",
             question="How close is `sonar-fx plan --parallel ENGINE --world 2` to the measured 2-rank step?",
             default=Config(rounds=0, engines=ENGINES), quick=replace(QUICK, rounds=0, engines=ENGINES),
-            run=run_plan)  # fmt: skip
+            run=memory_only("distributed_plan", run_plan, ENGINES))  # fmt: skip
 MODES = (TIMELINE, PLAN)
-
-
-def _timeline() -> Any:
-    from benchmarks import deferred_timeline  # it imports this module
-
-    return deferred_timeline
 
 
 def main(argv: list[str] | None = None) -> None:
