@@ -50,7 +50,14 @@ import torch.distributed as dist
 from benchmarks import common
 from benchmarks.common import Goal, Mode, Output, Override, Table, goal, mib
 from benchmarks.distributed_arms import ENGINES, MAX_NORM, QUICK, Arm, Config, build, steps_of
-from benchmarks.distributed_runs import SCRIPT, labelled_smoke, memory_only, results_name, smoke_test
+from benchmarks.distributed_runs import (
+    SCRIPT,
+    labelled_smoke,
+    memory_only,
+    memory_tables,
+    results_name,
+    smoke_test,
+)
 from benchmarks.workload import SHAPES
 from sonar_fx.config import AdamWConfig
 from sonar_fx.measure import fmt_ratio, paired_ratio
@@ -438,7 +445,8 @@ def run_plan(cfg: Config) -> Output:
 def run(cfg: Config) -> Output:
     memory = measured_and_planned(cfg)
     times = [TimeRow(**r) for rank in per_rank(cfg, time_job) for r in rank] if cfg.rounds else []
-    tables = [memory_table(memory, cfg), plan_table(memory)] + ([time_table(times, cfg)] if times else [])
+    tables = memory_tables([memory_table(memory, cfg), plan_table(memory)], cfg)
+    tables += [time_table(times, cfg)] if times else []
     records = [asdict(r) for r in memory] + [asdict(t) for t in times]
     name = results_name(cfg, timed=bool(times))  # memory only (no rounds): no time ratio to call a smoke test
     return Output(tables=tables, goals=goals(memory, times, cfg), records=records, script=name)

@@ -81,10 +81,16 @@ def memory_only(
 
     def named(cfg: Config) -> Output:
         output = run(cfg)
-        why = smoke_test(cfg, timed=False)
-        if why is not None:
-            shows = "It shows that the code paths ran; the measured run is the same command without --quick."
-            output = replace(output, tables=[labelled_smoke(t, why, shows) for t in output.tables])
-        return replace(output, script=results_name(cfg, script, engines, timed=False))
+        tables = memory_tables(output.tables, cfg)
+        return replace(output, tables=tables, script=results_name(cfg, script, engines, timed=False))
 
     return named
+
+
+def memory_tables(tables: list[Table], cfg: Config) -> list[Table]:
+    """A run's memory tables, each labelled a smoke test where `cfg` is one (`smoke_test(timed=False)`)."""
+    why = smoke_test(cfg, timed=False)
+    if why is None:
+        return tables
+    shows = "It shows that the code paths ran; the measured run is the same command without --quick."
+    return [labelled_smoke(t, why, shows) for t in tables]
