@@ -63,10 +63,12 @@ def results_name(
     timed: bool = True,
 ) -> str | None:
     """Where a run of `script` that is not its default one writes (None: results/<script>): another
-    choice of engines than `engines` (`--engines fsdp2`; None: the run's engines do not name it) and a
-    smoke test (`smoke_test`, `timed` as there: `--quick`, `*_smoke`, never shown in the docs) never
-    overwrite the default run's results."""
+    choice of engines than `engines` (`--engines fsdp2`; None: the run's engines do not name it), another
+    model shape (`--shape olmoe-cpu-8e`) and a smoke test (`smoke_test`, `timed` as there: `--quick`,
+    `*_smoke`, never shown in the docs) never overwrite the default run's results."""
     name = script if engines is None or cfg.engines == engines else "_".join((script, *cfg.engines))
+    if cfg.shape not in (Config().shape, *SMOKE_SHAPES):
+        name += f"_{cfg.shape}"
     if smoke_test(cfg, timed=timed) is not None:
         name += "_smoke"
     return None if name == script else name

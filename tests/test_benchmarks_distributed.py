@@ -46,6 +46,9 @@ def test_distributed_deferred_quick_says_its_ratios_are_a_smoke_test_and_grades_
     assert graded.status == "MISSED"
     assert dd.results_name(Config()) is None
     assert dd.results_name(dataclasses.replace(Config(), engines=("fsdp2",))) == "distributed_deferred_fsdp2"
+    other_shape = dataclasses.replace(Config(), shape="olmoe-cpu-8e")
+    assert dd.results_name(other_shape) == "distributed_deferred_olmoe-cpu-8e"
+    assert dd.results_name(other_shape, "distributed_plan") == "distributed_plan_olmoe-cpu-8e"
 
 
 def _memory_row(engine: str = "fsdp2", rank: int = 0, planned: int = 0, **counts: int):
