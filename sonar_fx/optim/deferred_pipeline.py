@@ -59,6 +59,12 @@ class OneInFlight:
         else:
             _finish(flight)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a gradient is in flight now (the next one's pieces are then added by expert slices
+        where they can be: `deferred_gradient.step_gradient`)."""
+        return self._pending is not None
+
     def make_room(self) -> None:
         """Finish the gradient in flight, if any: wait for its collective, finish it (which frees it).
         Called while the next gradient is computed (or once it is): that one overlapped its collective."""
