@@ -234,6 +234,8 @@ class DeferredGrads:
     overlapped: int = 0
     """Expert gradients computed at `step()` while the collective of the one before still ran
     (`deferred_pipeline`), in this run."""
+    sliced: int = 0
+    """Expert slices of pieces added by slices beside a gradient in flight (`sliced_sum`), in this run."""
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
     _hooks: dict[int, list[RemovableHandle]] = field(default_factory=dict)  # task -> AccumulateGrad hooks
     _ledger: StorageLedger = field(default_factory=StorageLedger)  # what `live_bytes` counts
@@ -477,6 +479,7 @@ class DeferredGrads:
             "crossed_over": dict(self.crossed),
             "kept_whole": sorted(self.whole),
             "overlapped": self.overlapped,
+            "sliced": self.sliced,
         }
 
 

@@ -54,7 +54,7 @@ def step_gradient(
         meter.appeared(key, nbytes)
     else:
         meter.appeared(key, nbytes)
-        by_slices = partial(alive_for_a_moment, meter) if in_flight else None
+        by_slices = partial(_slice_made, store, meter) if in_flight else None
         raw = _required(
             store.gradient(p, consume=consume, before_second=piece_beside_the_sum, before_slice=by_slices)
         )
@@ -66,6 +66,12 @@ def step_gradient(
     if raw is not held:  # (a held source is counted already)
         alive_for_a_moment(meter, nbytes)
     return grad
+
+
+def _slice_made(store: DeferredGrads, meter: ExpertGradMeter, nbytes: int) -> None:
+    """An expert slice of a piece, alive beside the sum for a moment (`sliced_sum`), counted."""
+    store.sliced += 1
+    alive_for_a_moment(meter, nbytes)
 
 
 def _required(grad: Tensor | None) -> Tensor:
