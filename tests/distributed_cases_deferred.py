@@ -183,6 +183,7 @@ def exact(
         "crossed_over": report["deferred"]["crossed_over"],
         "step_grad_peak": report["expert_grad_bytes"]["measured_peak"],
         "overlapped": report["deferred"]["overlapped"],
+        "sliced": report["deferred"]["sliced"],
         **seen,
         "fallbacks": report["fallbacks"],
     }

@@ -222,6 +222,7 @@ def exact(
         "kept_whole": report["deferred"]["kept_whole"],
         "kept_operand_peak": report["deferred"]["kept_operand_peak"],
         "crossed_over": report["deferred"]["crossed_over"],
+        "sliced": report["deferred"]["sliced"],
         "graphs": report["graphs_compiled"] + report["graphs_from_cache"],
         "fallbacks": report["fallbacks"],
         "twin_unsharded_expert_grad_bytes": twin_seen["unsharded_expert_grad_bytes"],

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from sonar_fx.optim import deferred_step
+from sonar_fx.optim import deferred, deferred_step
 from sonar_fx.optim.reduction import Reduced, StepReduce
+from sonar_fx.optim.sliced_sum import SLICES
 
 from helpers import assert_same_weights
 from test_deferred import pair, run_steps
@@ -84,8 +85,7 @@ def test_each_reduction_runs_while_the_next_gradient_is_computed_and_stays_bitwi
     names = [opt.expert_name(p) for p in opt.expert_group["params"]]
     log = recorder.log
     # One step, norm pass then update pass: each pass starts every tensor's reduction once, in order.
-    passes = [log[: len(log) // 4], log[len(log) // 4 : len(log) // 2]]
-    for events in passes:
+    for events in _passes(log):
         assert [n for e, n in events if e == "start"] == names
         assert [n for e, n in events if e == "wait"] == names  # waited in the order started
         for before, after in itertools.pairwise(names):
@@ -96,16 +96,55 @@ def test_each_reduction_runs_while_the_next_gradient_is_computed_and_stays_bitwi
     assert opt.report()["deferred"]["overlapped"] == 2 * 2 * (len(names) - 1)  # 2 passes x 2 steps
 
 
+def _passes(log: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """The first step's norm pass and update pass (2 steps of 2 passes each)."""
+    return [log[: len(log) // 4], log[len(log) // 4 : len(log) // 2]]
+
+
+def test_a_reduction_overlaps_the_whole_next_gradient_by_slices(recorded):
+    """With accumulation a gradient is the sum of its micro-batches' pieces. Those after the first are
+    added into the sum by expert slices (`sliced_sum`), so the gradient in flight is waited only once
+    the next one is complete and started, not before that one's second piece; bitwise all the same.
+    (Two micro-batches: more would cross over on this model, its gradients then held whole; three
+    pieces are summed by slices in test_sliced_sum.py, four on 2 ranks in test_distributed_deferred.)"""
+    recorder, model, opt, twin_model = recorded(in_flight=True, accum=2)
+    assert_same_weights(model, twin_model)
+    names = [opt.expert_name(p) for p in opt.expert_group["params"]]
+    for events in _passes(recorder.log):
+        for before, after in itertools.pairwise(names):
+            started_next, waited = events.index(("start", after)), events.index(("wait", before))
+            assert started_next < waited, events
+
+
+def test_negative_control_pieces_made_whole_wait_before_the_second(recorded, monkeypatch):
+    """A piece the store cannot add by slices is made whole: the gradient in flight is finished first
+    (never three alive), so its reduction overlaps only the first piece."""
+    monkeypatch.setattr(deferred, "add_by_slices", lambda *args: False)
+    recorder, model, opt, twin_model = recorded(in_flight=True, accum=2)
+    assert_same_weights(model, twin_model)
+    names = [opt.expert_name(p) for p in opt.expert_group["params"]]
+    for events in _passes(recorder.log):
+        for before, after in itertools.pairwise(names):
+            order = [("compute", after), ("wait", before), ("start", after)]
+            computing, waited, started_next = (events.index(event) for event in order)
+            assert computing < waited < started_next, events
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_at_most_two_expert_gradients_alive_at_once(recorded, accum):
     """The meter (the honest count) and the tensors themselves: the one in flight and the one being
-    computed; its second piece (a micro-batch's, beside its running sum) waits for room."""
+    computed; its later pieces (a micro-batch's, beside its running sum) are added one expert slice at
+    a time, so one slice is alive beside the two."""
     recorder, _, opt, _ = recorded(in_flight=True, accum=accum)
-    sizes = [p.numel() * p.element_size() for p in opt.expert_group["params"]]
+    params = opt.expert_group["params"]
+    sizes = [p.numel() * p.element_size() for p in params]
+    slices = [-(-p.shape[0] // SLICES) * p[0].numel() * p.element_size() for p in params]
     pairs = [a + b for a, b in itertools.pairwise(sizes)]
+    beside = [pair + s for pair, s in zip(pairs, slices[1:], strict=True)] if accum > 1 else pairs
     assert opt.deferred.crossed == {} and opt.report()["deferred"]["kept_whole"] == []  # nothing held
     peak = opt.meter.last_peak
-    assert peak <= max(*pairs, *(2 * s for s in sizes)), (peak, sizes)  # two at most, beside the operands
+    # Two at most (the first of a pass: its sum and a whole piece), and a slice, beside the operands.
+    assert peak <= max(*beside, *(2 * s for s in sizes)), (peak, sizes)
     assert peak >= min(pairs), (peak, sizes)  # and two were alive: the overlap is counted, not hidden
     assert recorder.most_started_alive <= 1  # no gradient outlives its update but the one in flight
 

@@ -28,12 +28,15 @@ from distributed_cases_deferred import (
 from distributed_cases_deferred_ep import ONE_EXPERT_PER_RANK
 
 import sonar_fx
+from sonar_fx.optim.sliced_sum import SLICES
 
 import distributed_worker
 from helpers import CFG, known_library_failure
 
 pytestmark = pytest.mark.multiprocess
 EXPERT_TENSORS = 4  # tiny-olmoe: 2 layers x (gate_up, down)
+SLICES_PER_PIECE = len(range(0, 8, -(-8 // SLICES)))  # tiny-olmoe's 8 experts in runs (`sliced_sum`)
+IN_STEP_ORDER = [f"model.layers.{i}.mlp.experts.{t}" for i in range(2) for t in ("gate_up_proj", "down_proj")]
 
 
 @pytest.fixture(scope="module")
@@ -300,11 +303,16 @@ def test_the_one_rule_lets_deferred_through_only_where_a_test_shows_it_exact():
 @pytest.mark.parametrize("case", [marked(c) for c in EXACT])
 def test_each_ddp_all_reduce_runs_while_the_next_expert_gradient_is_computed(ranks, case):
     """DDP's all-reduce of each expert gradient at step() is asynchronous: every gradient but the first
-    of each pass is computed while the one before is reduced (two passes with the clip over all), and
-    at most two are alive at once beside what backward kept (the meter counts the one in flight)."""
+    of each pass is computed while the one before is reduced (two passes with the clip over all), its
+    micro-batch pieces after the first added by expert slices (the eager capture's grouped GEMMs), and
+    at most two are alive at once beside what backward kept and a slice (the meter counts the one in
+    flight)."""
     passes = 2 if case[1] == "all" else 1
     for run in (r[label(*case)] for r in ranks):
         assert run["overlapped"] == STEPS * passes * (EXPERT_TENSORS - 1), run["overlapped"]
+        if case[2] == "eager":  # pieces after the first, beside a gradient in flight: by slices
+            sliced = [n for n in IN_STEP_ORDER[1:] if n not in run["crossed_over"]]  # (held whole: one piece)
+            assert run["sliced"] == STEPS * passes * len(sliced) * (case[3] - 1) * SLICES_PER_PIECE, run
         if not run["crossed_over"]:  # (a tensor held since its crossover adds to the step's peak)
             assert run["step_grad_peak"] <= 2 * run["biggest_expert"], run
 

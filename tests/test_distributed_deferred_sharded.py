@@ -22,7 +22,7 @@ from distributed_cases_deferred_sharded import (
     STEPS,
     label,
 )
-from test_distributed_deferred import check_scaler_run
+from test_distributed_deferred import SLICES_PER_PIECE, check_scaler_run
 
 import sonar_fx
 
@@ -61,6 +61,10 @@ def check_exact(run: dict, case: tuple) -> None:
     if engine == "fsdp2" and accum == 2:  # the saving: the kept operands are below the expert gradients
         assert run["crossed_over"] == {}
         assert 0 < run["kept_bytes"] < run["expert_grad_bytes"], run
+        # Beside each reduce-scatter in flight, the next gradient's second piece is added by expert
+        # slices (`sliced_sum`): every gradient but the first of a pass, all tiny-olmoe's 8 experts.
+        passes = 2 if case[2] == "all" else 1
+        assert run["sliced"] == STEPS * passes * (EXPERT_TENSORS - 1) * SLICES_PER_PIECE, run
 
 
 @pytest.mark.parametrize("case", EXACT, ids=[label(*c) for c in EXACT])

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.kept_storages import StorageId, StorageLedger, storages_of
+from sonar_fx.optim.sliced_sum import add_by_slices
 from sonar_fx.passes.recipe import Into, Program, load_recipe, region_of
 from sonar_fx.runtime.engine import accumulate_grad_node, gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
@@ -184,11 +185,21 @@ def _sum(
 
 
 def _accumulate(
-    groups: list[list[Entry]], param: Tensor, *, own: bool, before_piece: Callable[[], None] = _nothing
+    groups: list[list[Entry]],
+    param: Tensor,
+    *,
+    own: bool,
+    before_piece: Callable[[], None] = _nothing,
+    before_slice: Callable[[int], None] | None = None,
 ) -> Tensor | None:
-    """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added."""
+    """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added.
+    `before_slice` (given: a gradient is in flight beside this one): a backward's sum after the first
+    is added one run of experts at a time where its recipe allows (`sliced_sum`; the same additions),
+    `before_slice(nbytes)` called before each slice is made, rather than made whole beside the total."""
     total = None
     for group in groups:
+        if total is not None and before_slice is not None and _by_slices(total, group, before_slice):
+            continue
         part = _sum(group, param, own=own, before_piece=before_piece)
         if part is None:
             continue
@@ -198,6 +209,12 @@ def _accumulate(
             total.add_(part)
         del part  # freed before the next backward's sum is made: the total and one piece, never two
     return total
+
+
+def _by_slices(total: Tensor, group: list[Entry], before_slice: Callable[[int], None]) -> bool:
+    """`group`'s sum added into `total` by expert slices where every entry allows it (`sliced_sum`)."""
+    kept = [(e.recipe, e.operands) for e in group if isinstance(e, _Kept)]
+    return len(kept) == len(group) and add_by_slices(total, kept, before_slice)
 
 
 @dataclass
@@ -217,6 +234,8 @@ class DeferredGrads:
     overlapped: int = 0
     """Expert gradients computed at `step()` while the collective of the one before still ran
     (`deferred_pipeline`), in this run."""
+    sliced: int = 0
+    """Expert slices of pieces added by slices beside a gradient in flight (`sliced_sum`), in this run."""
     _open_tasks: set[int] = field(default_factory=set)  # backwards whose end a callback awaits
     _hooks: dict[int, list[RemovableHandle]] = field(default_factory=dict)  # task -> AccumulateGrad hooks
     _ledger: StorageLedger = field(default_factory=StorageLedger)  # what `live_bytes` counts
@@ -405,13 +424,20 @@ class DeferredGrads:
         return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
 
     def gradient(
-        self, param: Tensor, *, consume: bool, before_second: Callable[[], None] | None = None
+        self,
+        param: Tensor,
+        *,
+        consume: bool,
+        before_second: Callable[[], None] | None = None,
+        before_slice: Callable[[int], None] | None = None,
     ) -> Tensor | None:
         """`param`'s gradient for the step: `.grad` (the backwards so far, shown there for a GradScaler
         by `deferred_loop.backward_finished`), then each backward's sum accumulated in order.
         `consume`: drop the contributions and `.grad` (the update pass); else they stay and the result
         is a new tensor (the norm pass). `before_second` is called before each piece after the first
-        is read (a piece then lives beside the running sum: the caller makes room for it first)."""
+        is read (a piece then lives beside the running sum: the caller makes room for it first);
+        `before_slice` (given: a gradient in flight stays alive) before each expert slice of a piece
+        added by slices instead (`_accumulate`)."""
         pending = self.kept.pop(id(param), None) if consume else self.kept.get(id(param))
         groups = pending.groups() if pending is not None else []
         grad = param.grad
@@ -421,7 +447,9 @@ class DeferredGrads:
                 self._uncount(pending)  # the caller counts the gradient it gets (`deferred_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
-        return _accumulate(groups, param, own=consume, before_piece=_after_first(before_second))
+        return _accumulate(
+            groups, param, own=consume, before_piece=_after_first(before_second), before_slice=before_slice
+        )
 
     def discard(self, param: Tensor) -> None:
         """Drop `param`'s kept contributions uncomputed: the keep budget holds its gradient
@@ -451,6 +479,7 @@ class DeferredGrads:
             "crossed_over": dict(self.crossed),
             "kept_whole": sorted(self.whole),
             "overlapped": self.overlapped,
+            "sliced": self.sliced,
         }
 
 

@@ -8,6 +8,7 @@ computed; it only reads the store and tells the meter what is alive.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from torch import Tensor
 
@@ -29,13 +30,16 @@ def step_gradient(
     key: object,
     read_only: bool = False,
     make_room: Callable[[], None] = _nothing,
+    in_flight: bool = False,
 ) -> Tensor:
     """`p`'s gradient for the step, in its layout, counted on the meter under `key` while the caller
     holds it, with what is alive beside it while it is made: one more gradient-sized tensor when pieces
     are summed (backwards, or a gradient held and kept operands), and a layout copy's source. Before
     either, `make_room()` finishes the gradient still in flight (`deferred_pipeline`): never three
-    alive. A norm pass (`consume=False`) reads a gradient already held as one tensor in place when it
-    only reads it (`read_only`: no unscaling in place): no second copy."""
+    alive. `in_flight`: a gradient is in flight (`make_room` would wait for it): a piece the store can
+    add by expert slices is (`sliced_sum`), so nothing waits until this gradient is complete and one
+    slice is alive beside the two. A norm pass (`consume=False`) reads a gradient already held as one
+    tensor in place when it only reads it (`read_only`: no unscaling in place): no second copy."""
     nbytes = p.numel() * p.element_size()
     held = store.held(p)  # counted by the store while it holds it (arrived whole, or crossed over)
 
@@ -50,7 +54,10 @@ def step_gradient(
         meter.appeared(key, nbytes)
     else:
         meter.appeared(key, nbytes)
-        raw = _required(store.gradient(p, consume=consume, before_second=piece_beside_the_sum))
+        by_slices = partial(_slice_made, store, meter) if in_flight else None
+        raw = _required(
+            store.gradient(p, consume=consume, before_second=piece_beside_the_sum, before_slice=by_slices)
+        )
     if raw.stride() == p.stride():
         return raw
     make_room()  # a layout copy: counted under `key`, with its source beside it for a moment
@@ -59,6 +66,12 @@ def step_gradient(
     if raw is not held:  # (a held source is counted already)
         alive_for_a_moment(meter, nbytes)
     return grad
+
+
+def _slice_made(store: DeferredGrads, meter: ExpertGradMeter, nbytes: int) -> None:
+    """An expert slice of a piece, alive beside the sum for a moment (`sliced_sum`), counted."""
+    store.sliced += 1
+    alive_for_a_moment(meter, nbytes)
 
 
 def _required(grad: Tensor | None) -> Tensor:

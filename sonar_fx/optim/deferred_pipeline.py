@@ -10,12 +10,15 @@ update) and freed:
 
     compute g0, start r0 | compute g1 | start r1, wait r0, finish g0 | compute g2 | start r2, wait r1, ...
 
-At most two expert gradients are alive at once: the one in flight and the one being computed. When
-the one being computed needs a second gradient-sized tensor of its own (a micro-batch's piece beside
-its running sum, a layout copy), it first makes room (`make_room`: the one in flight is finished), so
-the collective overlaps at least its first GEMM and the bound holds. A reduction with nothing in
-flight (one process; expert parallelism's own experts) is finished at once: no gradient is held for
-nothing, and those runs keep one gradient alive at a time, as before.
+At most two expert gradients are alive at once: the one in flight and the one being computed. The
+one being computed adds its micro-batches' pieces after the first into its running sum one run of
+experts at a time while a gradient is in flight (`in_flight`; `sliced_sum`, where the recipe allows):
+one slice beside the two, and the collective overlaps the whole computation. When it needs a second
+gradient-sized tensor of its own instead (a piece that cannot be sliced, a layout copy), it first makes
+room (`make_room`: the one in flight is finished), so the collective overlaps at least its first GEMM
+and the bound holds. A reduction with nothing in flight (one process; expert parallelism's own
+experts) is finished at once: no gradient is held for nothing, and those runs keep one gradient alive
+at a time, as before.
 
 Never: change what is computed, nor the order in which gradients are started and finished (every rank
 starts and waits its collectives in the same order; norms and updates run in parameter order).
@@ -58,6 +61,12 @@ class OneInFlight:
             self._pending = flight
         else:
             _finish(flight)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a gradient is in flight now (the next one's pieces are then added by expert slices
+        where they can be: `deferred_gradient.step_gradient`)."""
+        return self._pending is not None
 
     def make_room(self) -> None:
         """Finish the gradient in flight, if any: wait for its collective, finish it (which frees it).

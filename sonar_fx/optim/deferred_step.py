@@ -112,7 +112,10 @@ def step(opt: SonarOptimizer) -> None:
             if kept is not None:
                 line.started(Reduced(kept), update)
             else:
-                grad = step_gradient(store, opt.meter, p, consume=True, key=p, make_room=line.make_room)
+                grad = step_gradient(
+                    store, opt.meter, p, consume=True, key=p, make_room=line.make_room,
+                    in_flight=line.in_flight,
+                )  # fmt: skip
                 # The engine's reduction (DDP: the mean over ranks), started; the update waits for it.
                 line.started(reduce(name, grad), update)
                 del grad  # the flight holds it until its update, which frees it
@@ -179,8 +182,9 @@ def _first_pass(
             # A held gradient is read in place only where nothing writes it (no unscale, no reduction).
             in_place = not unscale and opt.distributed is None
             grad = step_gradient(
-                store, opt.meter, p, consume=False, key=key, read_only=in_place, make_room=line.make_room
-            )
+                store, opt.meter, p, consume=False, key=key, read_only=in_place, make_room=line.make_room,
+                in_flight=line.in_flight,
+            )  # fmt: skip
             checks = (scaler, found_inf) if unscale else (None, None)
             # The engine's reduction, started; the norm, verdict and keep wait for it.
             line.started(
