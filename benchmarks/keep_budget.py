@@ -7,13 +7,20 @@ beside standard training with the same global clip, on the OLMoE-shaped CPU mode
 64 per micro-batch), at A=1 and A=4 micro-batches per step, side by side in interleaved rounds. Reported
 per arm: the budget, the bytes kept and the share of computed gradient bytes computed again, the step's
 transient peak against standard's, and the step time as the median of paired per-round ratios against
-standard [IQR]. Expected: at "all" the same work and the same peak as standard; the ratio falls with
-the budget as the recomputed share does. `--shape olmoe-micro` (or `--quick`) runs in seconds.
+standard [IQR], and beside it the step's thread CPU time (`time.thread_time`: what a loaded machine does
+not inflate) as the same paired ratio, with the minor page faults of a step (glibc returning freed
+memory to the system and faulting it in again: an allocator's cost, not the schedule's). Expected: at
+"all" the same work and the same peak as standard; the ratio falls with the budget as the recomputed
+share does. `--shape olmoe-micro` (or `--quick`) runs in seconds.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import resource
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
@@ -27,8 +34,9 @@ from benchmarks.common import Goal, Output, Table, failed, goal, mib
 from benchmarks.workload import SHAPES, Workload
 from sonar_fx.config import AdamWConfig
 from sonar_fx.experts.discovery import ExpertSet
-from sonar_fx.measure import Spread, fmt_ratio, ratio
+from sonar_fx.measure import Spread, fmt_ratio, paired_ratio, ratio
 from sonar_fx.methods import Execution, TrainingMethod, build_method
+from sonar_fx.workload import Batch
 
 SCRIPT = "keep_budget"
 FRACTIONS = ("0", "1/4", "1/2", "1")
@@ -84,11 +92,44 @@ def run_keep_budget(cfg: Config) -> Output:
                           max_grad_norm=cfg.max_grad_norm)  # fmt: skip
     rows, records = [], []
     for a in cfg.steps_of:
-        results = methods.measure(like, cfg.shape, arms_for(cfg), a=a, clip="all")
-        rows += _rows(a, results)
-        records += [{"A": a, "fraction": getattr(r.arm, "fraction", None), **asdict(r)} for r in results]
+        counted = _CountedSteps()
+        results = methods.measure(like, cfg.shape, arms_for(cfg), a=a, clip="all", step=counted.step)
+        counts = counted.per_arm(results, cfg.plan.rounds)
+        rows += _rows(a, results, counts)
+        records += [
+            {"A": a, "fraction": getattr(r.arm, "fraction", None), **asdict(r), **counts.get(r.label, {})}
+            for r in results
+        ]
     return Output(tables=[_table(rows, cfg)], goals=_goals(records, cfg), records=records,
                   figures={"keep_budget.png": lambda plt: _draw(records, cfg, plt)})  # fmt: skip
+
+
+class _CountedSteps:
+    """Each step's thread CPU seconds and minor page faults, per method, in the order the methods first
+    stepped (`run_arms` builds and warms the arms one after another, in their order)."""
+
+    def __init__(self) -> None:
+        self.by_method: dict[int, list[tuple[float, int]]] = {}
+
+    def step(self, method: TrainingMethod, micro_batches: Sequence[Batch]) -> None:
+        faults, started = _minor_faults(), time.thread_time()
+        methods.accumulated_step(method, micro_batches)
+        counted = (time.thread_time() - started, _minor_faults() - faults)
+        self.by_method.setdefault(id(method), []).append(counted)
+
+    def per_arm(self, results: Sequence[ArmResult], rounds: int) -> dict[str, dict[str, list[float]]]:
+        """Arm label -> its timed rounds' `cpu_s` and `minor_faults` (the last `rounds` steps: warm-up and
+        the memory step come first), for the arms whose first step ran."""
+        stepped = [r for r in results if not math.isnan(r.first_step_s)]
+        out: dict[str, dict[str, list[float]]] = {}
+        for r, steps in zip(stepped, self.by_method.values(), strict=False):
+            timed = steps[-rounds:]
+            out[r.label] = {"cpu_s": [c for c, _ in timed], "minor_faults": [f for _, f in timed]}
+        return out
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _standard(results: Sequence[ArmResult], r: ArmResult) -> ArmResult | None:
@@ -96,7 +137,19 @@ def _standard(results: Sequence[ArmResult], r: ArmResult) -> ArmResult | None:
     return next((b for b in results if b.label == label), None)
 
 
-def _rows(a: int, results: list[ArmResult]) -> list[list[str]]:
+def _cpu_ratio(counts: dict[str, dict[str, list[float]]], r: ArmResult, base: ArmResult) -> str:
+    mine, theirs = counts.get(r.label, {}).get("cpu_s"), counts.get(base.label, {}).get("cpu_s")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return "-"
+    return fmt_ratio(paired_ratio(mine, theirs))
+
+
+def _faults(counts: dict[str, dict[str, list[float]]], r: ArmResult) -> str:
+    faults = counts.get(r.label, {}).get("minor_faults")
+    return f"{statistics.median(faults):.0f}" if faults else "-"
+
+
+def _rows(a: int, results: list[ArmResult], counts: dict[str, dict[str, list[float]]]) -> list[list[str]]:
     rows = []
     for r in results:
         base = _standard(results, r)
@@ -109,13 +162,13 @@ def _rows(a: int, results: list[ArmResult]) -> list[list[str]]:
             str(a), r.label, "-" if not k else f"{mib(k['keep_budget_bytes']):.1f}",
             "-" if not k else f"{mib(k['kept_grad_bytes']):.1f}", share, f"{mib(r.peak_bytes):.1f}",
             "-" if r is base else f"{mib(r.peak_bytes - base.peak_bytes):+.1f}", r.step_ms.fmt(0),
-            fmt_ratio(ratio(r, base)),
+            fmt_ratio(ratio(r, base)), _cpu_ratio(counts, r, base), _faults(counts, r),
         ])  # fmt: skip
     return rows
 
 
 HEADERS = ["A", "arm", "budget MiB", "kept MiB", "recomputed", "peak MiB", "peak - standard MiB", "step ms",
-           "× standard"]  # fmt: skip
+           "× standard", "CPU × standard", "faults/step"]  # fmt: skip
 
 
 def _table(rows: list[list[str]], cfg: Config) -> Table:
@@ -125,7 +178,8 @@ def _table(rows: list[list[str]], cfg: Config) -> Table:
         f"{w.dtype}, clip over every parameter (max norm {cfg.max_grad_norm}). keep f: keep_budget = f x the "
         "model's expert-gradient bytes. recomputed: share of the gradient bytes the norm pass computed that "
         "the update pass computes again. peak: the step's transient above weights and optimizer states. "
-        "× standard: median of paired per-round step-time ratios [IQR]."
+        "× standard: median of paired per-round step-time ratios [IQR]; CPU × standard: the same of the "
+        "step's thread CPU time; faults/step: median minor page faults of a step (the process's)."
     )
     return Table(title="Keep budget: step time against memory", headers=HEADERS, rows=rows, note=note)
 
@@ -214,6 +268,7 @@ def _draw(records: list[dict], cfg: Config, plt: Any) -> Any:
 def main(argv: list[str] | None = None) -> None:
     overrides = [
         common.Override(field="shape", choices=sorted(SHAPES), help="the model shape (olmoe-micro: seconds)"),
+        common.Override(field="fractions", choices=FRACTIONS, many=True, help="keep budgets (default: all)"),
         common.Override(field="executions", choices=["eager", "aot_eager", "inductor"], many=True,
                         help="executions of the arms", parse=Execution.from_label),
     ]  # fmt: skip

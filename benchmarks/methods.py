@@ -39,6 +39,7 @@ from benchmarks.arms import (
     Arm,
     ArmResult,
     HandwrittenHooksArm,
+    MethodStep,
     Plan,
     by_label,
     run_arms,
@@ -118,9 +119,17 @@ def accumulation_arms(cfg: Config, a: int, clip: str) -> list[Arm]:
 
 
 def measure(
-    cfg: Config, shape: str, arms: list[Arm], *, batch: int | None = None, a: int = 1, clip: str | None = None
+    cfg: Config,
+    shape: str,
+    arms: list[Arm],
+    *,
+    batch: int | None = None,
+    a: int = 1,
+    clip: str | None = None,
+    step: MethodStep | None = None,
 ) -> list[ArmResult]:
-    """`arms` on `shape` side by side (`benchmarks.arms.run_arms`), each step `a` micro-batches."""
+    """`arms` on `shape` side by side (`benchmarks.arms.run_arms`), each step `a` micro-batches (with a
+    clip: one `step(method, micro_batches)`)."""
     w = replace(cfg.workload, batch=batch or cfg.workload.batch)
     print(f"{SHAPES[shape].describe()}, {a} x batch {w.batch} x seq {w.seq}, {w.dtype}", flush=True)
     opt = AdamWConfig(
@@ -135,7 +144,7 @@ def measure(
     with warnings.catch_warnings():  # the per-micro-batch semantics are measured here; it warns users
         warnings.filterwarnings("ignore", message="accumulation='per_microbatch'")
         grouped = [flat[i * a : (i + 1) * a] for i in range(n)]
-        return run_arms(build, arms, opt, cfg.plan, grouped, held_out, step=accumulated_step)
+        return run_arms(build, arms, opt, cfg.plan, grouped, held_out, step=step or accumulated_step)
 
 
 def accumulated_step(method: TrainingMethod, micro_batches: Sequence[Batch]) -> None:

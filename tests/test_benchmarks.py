@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import common, optimizers, profiles, readme
+from benchmarks import common, keep_budget, optimizers, profiles, readme
 from benchmarks import compile as compile_overhead
 from benchmarks.arms import COMPILED, EAGER, Arm, ArmResult, Plan, run_arms
 from benchmarks.common import Goal, Report, Table, goal_status, grade, worst
@@ -294,6 +294,24 @@ def test_a_partial_run_is_shown_as_the_script_whose_name_it_extends_longest():
     assert command == ["python", "-m", "benchmarks.distributed_deferred"]
     assert question == distributed_deferred.__doc__.strip().split("\n")[0]
     assert question != distributed.__doc__.strip().split("\n")[0]
+
+
+def test_keep_budget_gives_each_arm_the_cpu_time_and_faults_of_its_own_timed_rounds():
+    """The keep budget benchmark counts each step's thread CPU time and page faults per method, in the
+    order the arms first stepped: an arm whose build failed (it never stepped) takes nobody's counts,
+    and each arm gets its last `rounds` steps (its warm-up and memory steps come first)."""
+    counted = keep_budget._CountedSteps()
+    counted.by_method = {
+        11: [(9.0, 9), (8.0, 8), (1.0, 10), (2.0, 20)],
+        22: [(9.0, 9), (8.0, 8), (3.0, 30), (4.0, 40)],
+    }
+    ran = ArmResult(label="standard", arm=Arm(method="standard"), first_step_s=0.5)
+    failed = ArmResult(label="failed", arm=Arm(method="sonar_deferred"))  # never stepped
+    later = ArmResult(label="deferred", arm=Arm(method="sonar_deferred"), first_step_s=0.5)
+    assert counted.per_arm([ran, failed, later], rounds=2) == {
+        "standard": {"cpu_s": [1.0, 2.0], "minor_faults": [10, 20]},
+        "deferred": {"cpu_s": [3.0, 4.0], "minor_faults": [30, 40]},
+    }
 
 
 def test_replace_between_markers_keeps_the_rest():
