@@ -19,7 +19,8 @@ so the gradient and one slice's product are alive at once (plus whatever of the 
 share, freed after its last reader). Bitwise the chain: an element of slice e receives the same
 non-zero terms in the same order (the terms are added in the chain's order, so two terms on one slice
 add as the chain adds them); the chain's other terms are zeros there, and x + 0 is x (a -0.0 may come
-out +0.0, as in `deferred._sum`: equal values no update tells apart). `select_backward`'s zeros are the
+out +0.0, as in `deferred_entries.sum_backward`: equal values no update tells apart).
+`select_backward`'s zeros are the
 gradient's dtype and device, contiguous: so is the sum. Found only where the program is exactly that
 form (a left-to-right chain of `add`s, each read by the next alone, over at least two
 `select_backward`s of one shape, each read by its `add` alone); any other program runs as written.

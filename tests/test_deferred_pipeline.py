@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from sonar_fx.optim import deferred, deferred_step
+from sonar_fx.optim import deferred_entries, deferred_step
 from sonar_fx.optim.reduction import Reduced, StepReduce
 from sonar_fx.optim.sliced_sum import SLICES
 
@@ -119,7 +119,7 @@ def test_a_reduction_overlaps_the_whole_next_gradient_by_slices(recorded):
 def test_negative_control_pieces_made_whole_wait_before_the_second(recorded, monkeypatch):
     """A piece the store cannot add by slices is made whole: the gradient in flight is finished first
     (never three alive), so its reduction overlaps only the first piece."""
-    monkeypatch.setattr(deferred, "add_by_slices", lambda *args: False)
+    monkeypatch.setattr(deferred_entries, "add_by_slices", lambda *args: False)
     recorder, model, opt, twin_model = recorded(in_flight=True, accum=2)
     assert_same_weights(model, twin_model)
     names = [opt.expert_name(p) for p in opt.expert_group["params"]]

@@ -58,7 +58,7 @@ def test_sliced_sum_is_the_whole_pieces_sum_bitwise(dtype, experts, transposed):
 
 def test_one_backwards_contributions_are_summed_before_they_join_the_total():
     """A backward that reads the weight twice (two GEMMs): (e0 + e1) is added to the total, as
-    `deferred._sum` then `_accumulate` add them, slice by slice."""
+    `deferred_entries.sum_backward` then `accumulate` add them, slice by slice."""
     first, e0, e1 = (operands(10, 24, 16, torch.bfloat16, seed, transposed=True) for seed in range(3))
     plain = grouped(first).add_(grouped(e0).add_(grouped(e1)))
     total = grouped(first)

@@ -11,7 +11,7 @@ and saved arguments), and the recipe runs THAT op again on the same operands:
   operand, else `x^T.mm(dy)`), a contribution to the elements that view reads alone (`Program.into`).
   Autograd's view backwards (select, permute, view) place it there among zeros and its input buffer
   sums the padded pieces in arrival order; the store adds each into its region of one zero-filled sum
-  (`deferred._sum`): the same values, as off its region each piece is zero and 0 + x is x;
+  (`deferred_entries.sum_backward`): the same values, as off its region each piece is zero and 0 + x is x;
 - rows of a 2-D expert tensor (a per-expert vector: gpt-oss's biases) read by `b[e]` or `b[ids]`: the
   rows' gradient as backward hands it on (after the engine's `sum_to` of a broadcast add), then
   SelectBackward's placement or IndexBackward's zero-filled, accumulating `_index_put_impl_`;

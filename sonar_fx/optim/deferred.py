@@ -37,49 +37,21 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from sonar_fx.errors import SonarUsageError
-from sonar_fx.optim.kept_storages import StorageId, StorageLedger, storages_of
-from sonar_fx.optim.sliced_sum import add_by_slices
-from sonar_fx.passes.recipe import Into, Program, load_recipe, region_of
+from sonar_fx.optim.deferred_entries import (
+    Entry,
+    Kept,
+    WeightView,
+    accumulate,
+    after_first,
+    alive_for_a_moment,
+    pieces,
+)
+from sonar_fx.optim.kept_storages import StorageLedger, storages_of
 from sonar_fx.runtime.engine import accumulate_grad_node, gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
 from sonar_fx.runtime.registry import same_storage
 
 NO_TASK = -1  # what autograd reports outside any backward
-
-
-@dataclass(frozen=True)
-class _WeightView:
-    """An operand that is the expert weight (or a view of it): rebuilt from the parameter when the
-    gradient is computed, since the weight has not moved by then; never kept as memory."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass
-class _Kept:
-    recipe: str
-    operands: list[Tensor | _WeightView]
-    storages: dict[StorageId, int]
-    """The storages its kept operands live in, each once (`kept_storages.storages_of`)."""
-
-    def into(self) -> Into | None:
-        """Where in the parameter this contribution lies alone (`Program.into`), or None: everywhere."""
-        recipe = load_recipe(self.recipe)
-        return recipe.into if isinstance(recipe, Program) else None
-
-    def gradient(self, param: Tensor) -> Tensor:
-        ops = [
-            param.as_strided(o.size, o.stride, o.offset) if isinstance(o, _WeightView) else o
-            for o in self.operands
-        ]
-        return load_recipe(self.recipe).run(ops)
-
-
-Entry = _Kept | Tensor
-"""One contribution to an expert gradient: the operands of a weight-gradient GEMM, or a gradient that
-arrived whole (a use of the weight outside any captured GEMM, taken out of `.grad` by its hook)."""
 
 
 @dataclass
@@ -113,9 +85,9 @@ class _Pending:
     def fold_closed(self) -> bool:
         """The ended backwards' sums accumulated into one gradient (the same additions, in order).
         True if a piece was computed beside the running total (it lived for a moment)."""
-        if len(self.closed) > 1 or any(isinstance(e, _Kept) for g in self.closed for e in g):
-            beside = sum(_pieces(g) for g in self.closed) > 1
-            total = _accumulate(self.closed, self.param, own=True)
+        if len(self.closed) > 1 or any(isinstance(e, Kept) for g in self.closed for e in g):
+            beside = sum(pieces(g) for g in self.closed) > 1
+            total = accumulate(self.closed, self.param, own=True)
             self.closed = [[total]] if total is not None else []
             return beside
         return False
@@ -123,98 +95,6 @@ class _Pending:
 
 def _flat(groups: list[list[Entry]]) -> list[Entry]:
     return [e for g in groups for e in g]
-
-
-def _pieces(group: list[Entry]) -> int:
-    """Gradient-sized tensors `_sum` makes of `group`: one per whole entry, one for all its slices."""
-    sliced = [isinstance(e, _Kept) and e.into() is not None for e in group]
-    return sliced.count(False) + any(sliced)
-
-
-def _nothing() -> None:
-    return None
-
-
-def alive_for_a_moment(meter: ExpertGradMeter, nbytes: int) -> None:
-    """A gradient-sized temporary that lived beside what the meter counts now, and is freed."""
-    temporary = object()
-    meter.appeared(temporary, nbytes)
-    meter.freed(temporary)
-
-
-def _after_first(call: Callable[[], None] | None) -> Callable[[], None]:
-    """`call` on every call but the first (None: nothing)."""
-    if call is None:
-        return _nothing
-    first = [True]
-
-    def each() -> None:
-        if first[0]:
-            first[0] = False
-        else:
-            call()
-
-    return each
-
-
-def _sum(
-    group: list[Entry], param: Tensor, *, own: bool, before_piece: Callable[[], None] = _nothing
-) -> Tensor | None:
-    """One backward's contributions summed in arrival order: the first as is, each next added in
-    place (`a.add_(b)` is `a + b`, bit for bit). `own`: its whole gradients may be written. A slice's
-    contribution is added into its slice of the sum (a zero-filled one if it comes first): autograd adds
-    it padded with zeros, and x + 0 is x (a -0.0 may come out +0.0, equal values no update tells apart).
-    `before_piece` is called before each gradient-sized tensor is made (a slice's is not one)."""
-    total = None
-    for entry in group:
-        into = entry.into() if isinstance(entry, _Kept) else None
-        if isinstance(entry, _Kept) and into is not None:  # one slice's gradient: into the sum's slice
-            if total is None:
-                before_piece()
-                total = param.new_zeros(param.shape)  # SelectBackward's zeros: contiguous, param's dtype
-            region_of(total, into).add_(entry.gradient(param))
-            continue
-        before_piece()
-        grad = entry.gradient(param) if isinstance(entry, _Kept) else entry
-        if total is None:
-            total = grad if own or isinstance(entry, _Kept) else grad.clone()
-        else:
-            total.add_(grad)
-        del grad  # freed before the next piece is computed: the sum and one piece alive, not two
-    return total
-
-
-def _accumulate(
-    groups: list[list[Entry]],
-    param: Tensor,
-    *,
-    own: bool,
-    before_piece: Callable[[], None] = _nothing,
-    before_slice: Callable[[int], None] | None = None,
-) -> Tensor | None:
-    """The backwards' sums accumulated as AccumulateGrad does: the first assigned, each next added.
-    `before_slice` (given: a gradient is in flight beside this one): a backward's sum after the first
-    is added one run of experts at a time where its recipe allows (`sliced_sum`; the same additions),
-    `before_slice(nbytes)` called before each slice is made, rather than made whole beside the total."""
-    total = None
-    for group in groups:
-        if total is not None and before_slice is not None and _by_slices(total, group, before_slice):
-            continue
-        part = _sum(group, param, own=own, before_piece=before_piece)
-        if part is None:
-            continue
-        if total is None:
-            total = part
-        else:
-            total.add_(part)
-        del part  # freed before the next backward's sum is made: the total and one piece, never two
-    return total
-
-
-def _by_slices(total: Tensor, group: list[Entry], before_slice: Callable[[int], None]) -> bool:
-    """`group`'s sum added into `total` by expert slices where every entry allows it (`sliced_sum`)."""
-    kept = [(e.recipe, e.operands) for e in group if isinstance(e, _Kept)]
-    return len(kept) == len(group) and add_by_slices(total, kept, before_slice)
 
 
 @dataclass
@@ -254,7 +134,7 @@ class DeferredGrads:
         the tensor autograd accumulates into for `param`, where that is another (FSDP2's unsharded one)."""
         kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
         storages = storages_of(t for t in kept if isinstance(t, Tensor))
-        self._contribute(param, name, _Kept(recipe, kept, storages), param if reached is None else reached)
+        self._contribute(param, name, Kept(recipe, kept, storages), param if reached is None else reached)
 
     def add_whole(self, param: Tensor, name: str) -> None:
         """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
@@ -355,10 +235,10 @@ class DeferredGrads:
 
     def _tally(self, pending: _Pending, entry: Entry, *, keep: bool) -> None:
         """`entry` counted as kept (`keep`) or let go, each storage once however many entries keep it."""
-        storages = entry.storages if isinstance(entry, _Kept) else storages_of([entry])
+        storages = entry.storages if isinstance(entry, Kept) else storages_of([entry])
         change = StorageLedger.take if keep else StorageLedger.release
         change(self._ledger, storages)
-        if isinstance(entry, _Kept):
+        if isinstance(entry, Kept):
             change(pending.operands, storages)
             return
         pending.whole_entries += 1 if keep else -1
@@ -395,7 +275,7 @@ class DeferredGrads:
         pending = self.kept.get(id(param))
         if pending is None:  # a gradient in `.grad` at the step was shown there for a GradScaler
             return False
-        return not pending.folded and all(not isinstance(e, _Kept) for g in pending.groups() for e in g)
+        return not pending.folded and all(not isinstance(e, Kept) for g in pending.groups() for e in g)
 
     def crossed_over(self, param: Tensor) -> bool:
         """`param`'s kept contributions outgrew its gradient in this step: it is held as a gradient now."""
@@ -405,7 +285,7 @@ class DeferredGrads:
     def pieces(self, param: Tensor) -> int:
         """How many gradient-sized pieces `gradient(param)` sums (kept contributions and `.grad`)."""
         pending = self.kept.get(id(param))
-        kept = sum(_pieces(g) for g in pending.groups()) if pending is not None else 0
+        kept = sum(pieces(g) for g in pending.groups()) if pending is not None else 0
         return kept + (param.grad is not None)
 
     def held(self, param: Tensor) -> Tensor | None:
@@ -419,9 +299,9 @@ class DeferredGrads:
         entry = next(e for g in pending.groups() for e in g)
         return entry if isinstance(entry, Tensor) else None
 
-    def entries(self) -> list[_Kept]:
+    def entries(self) -> list[Kept]:
         """Every kept set of operands, in the order kept per tensor (for tests and tools)."""
-        return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, _Kept)]
+        return [e for p in self.kept.values() for g in p.groups() for e in g if isinstance(e, Kept)]
 
     def gradient(
         self,
@@ -437,7 +317,7 @@ class DeferredGrads:
         is a new tensor (the norm pass). `before_second` is called before each piece after the first
         is read (a piece then lives beside the running sum: the caller makes room for it first);
         `before_slice` (given: a gradient in flight stays alive) before each expert slice of a piece
-        added by slices instead (`_accumulate`)."""
+        added by slices instead (`accumulate`)."""
         pending = self.kept.pop(id(param), None) if consume else self.kept.get(id(param))
         groups = pending.groups() if pending is not None else []
         grad = param.grad
@@ -447,8 +327,8 @@ class DeferredGrads:
                 self._uncount(pending)  # the caller counts the gradient it gets (`deferred_gradient`)
         if grad is not None:
             groups = [[grad], *groups]
-        return _accumulate(
-            groups, param, own=consume, before_piece=_after_first(before_second), before_slice=before_slice
+        return accumulate(
+            groups, param, own=consume, before_piece=after_first(before_second), before_slice=before_slice
         )
 
     def discard(self, param: Tensor) -> None:
@@ -483,8 +363,8 @@ class DeferredGrads:
         }
 
 
-def _weight_view(t: Tensor) -> _WeightView:
-    return _WeightView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+def _weight_view(t: Tensor) -> WeightView:
+    return WeightView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
 
 def wanted_by_this_backward(param: Tensor, name: str) -> bool:

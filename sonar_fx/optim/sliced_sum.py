@@ -108,7 +108,7 @@ def add_by_slices(
             if part is None:
                 part = piece
             else:
-                part.add_(piece)  # a backward's contributions summed first, as `deferred._sum` does
+                part.add_(piece)  # a backward's contributions summed first, as `sum_backward` does
             del piece
         assert part is not None
         total[first:stop].add_(part)
