@@ -1,6 +1,7 @@
 """The in-graph all-reduce of data-parallel training, inspected in one process (the graph is compiled,
-never run: running it needs a process group, see tests/test_distributed.py), and the engines' guards
-that need no second process."""
+never run: running it needs a process group, see tests/test_distributed.py), the engines' guards
+that need no second process, and where expert parallelism's compiled deferred forward keeps its
+operands (a world of one)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ module whose GEMMs trace into a compiled forward's graph when the mode is absent
 `local_experts`: the token exchange around them is its only graph break) says so
 (`traced_when_compiled`), and inside a forward Sonar compiled (`compiled_run`) it enters no capture:
 the graph pass defers its GEMMs (olmoe-cpu, expert parallelism on 2 ranks, aot_eager: the capture
-cost the deferred forward about 10 ms of CPU per step of 4 micro-batches, some 2% of the step). Its
+cost the deferred forward some 5-10 ms of CPU per step of 4 micro-batches, 1-2% of the step). Its
 eager forward (compiler="eager", a compile that fell back) is captured as any other.
 """
 
@@ -192,9 +192,9 @@ def outside_capture(fn: F) -> F:
     """`fn` run with the capture suspended: eager code inside an experts module's forward that never
     reads an expert weight (expert parallelism's token exchange: sorts, gathers, all-to-alls). Under
     the capture each of its torch calls would pass through `DeferGemms.__torch_function__` in Python
-    for nothing (olmoe-cpu, 2 ranks: about 1,200 calls per step, the most of the deferred forward's
-    extra CPU time). Only a capture on top of the mode stack is suspended: a mode the caller entered
-    inside the experts forward is left as it is (and the capture with it)."""
+    for nothing (olmoe-cpu, 2 ranks: about 600 calls per step of 4 micro-batches). Only a
+    capture on top of the mode stack is suspended: a mode the caller entered inside the experts forward
+    is left as it is (and the capture with it)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
