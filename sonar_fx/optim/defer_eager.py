@@ -23,7 +23,7 @@ module whose GEMMs trace into a compiled forward's graph when the mode is absent
 `local_experts`: the token exchange around them is its only graph break) says so
 (`traced_when_compiled`), and inside a forward Sonar compiled (`compiled_run`) it enters no capture:
 the graph pass defers its GEMMs (olmoe-cpu, expert parallelism on 2 ranks, aot_eager: the capture
-cost the deferred forward some 5-10 ms of CPU per step of 4 micro-batches, 1-2% of the step). Its
+cost the deferred forward 16-18 ms of CPU per step of 4 micro-batches, some 3% of the step). Its
 eager forward (compiler="eager", a compile that fell back) is captured as any other.
 """
 
