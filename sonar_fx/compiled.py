@@ -19,6 +19,7 @@ from torch import nn
 
 from sonar_fx.backend import record_fallback, sonar_backend
 from sonar_fx.errors import SavingLostError, SonarUsageError
+from sonar_fx.optim.defer_eager import compiled_run
 from sonar_fx.optim.optimizer import SonarOptimizer
 from sonar_fx.runtime import registry
 
@@ -83,10 +84,11 @@ class CompiledForward:
             self._refuse_second_forward(optimizer)
             optimizer.saving.compiled_forward()  # the saving guard checks that a step ran one
         try:
-            if not self.dynamo_config:
-                return self.compiled(module, *args, **kwargs)
-            with torch._dynamo.config.patch(**self.dynamo_config):
-                return self.compiled(module, *args, **kwargs)
+            with compiled_run():  # modules whose GEMMs trace into the graph leave them to the pass
+                if not self.dynamo_config:
+                    return self.compiled(module, *args, **kwargs)
+                with torch._dynamo.config.patch(**self.dynamo_config):
+                    return self.compiled(module, *args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             lost = _saving_lost(err)
             if lost is not None:

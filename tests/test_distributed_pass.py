@@ -1,6 +1,7 @@
 """The in-graph all-reduce of data-parallel training, inspected in one process (the graph is compiled,
-never run: running it needs a process group, see tests/test_distributed.py), and the engines' guards
-that need no second process."""
+never run: running it needs a process group, see tests/test_distributed.py), the engines' guards
+that need no second process, and where expert parallelism's compiled deferred forward keeps its
+operands (a world of one)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from sonar_fx.passes.graph_utils import is_view, node_order
 from sonar_fx.passes.reduce_grads import GraphReduce
 from sonar_fx.runtime import EXPERT_UPDATE_OP, registry
 
-from helpers import CFG, batches
+from helpers import CFG, assert_same_weights, batches
 
 c10d = torch.ops._c10d_functional
 REDUCE = GraphReduce("some-group", 2)
@@ -342,3 +343,50 @@ def test_fsdp2_ep_clip_norm_is_torchtitans_without_dtensors_sequential_all_reduc
     _redistribute._warned_flatten_issues.clear()  # the engine's norm would note again, were it not quiet
     got = FSDP2EPEngine().total_norm(params, experts)
     assert torch.equal(got, expected) and redistribute_notes == []
+
+
+def _deferred_ep_trained(traced: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.nn.Module, int]:
+    """tiny-reference on expert parallelism over a world of one, aot_eager, schedule="deferred": two
+    steps of two micro-batches (no_sync on the first). `traced`: the layout's own modules declare that
+    their GEMMs trace into the graph (what `expert_parallel` sets); False is the capture's path.
+    Returns the model and how many times the eager capture was entered."""
+    import sonar_fx.distributed as sd
+    from sonar_fx.optim.defer_eager import DeferGemms
+
+    entered = [0]
+    enter = DeferGemms.__enter__
+
+    def counted(mode: DeferGemms) -> DeferGemms:
+        entered[0] += 1
+        return enter(mode)
+
+    monkeypatch.setattr(DeferGemms, "__enter__", counted)
+    torch._dynamo.reset()
+    model = sd.expert_parallel(
+        build_model("tiny-reference", seed=0), CFG, compiler="aot_eager", schedule="deferred"
+    )
+    for module in model.modules():
+        if isinstance(module, sd.ExpertParallelExperts):
+            assert module.traced_when_compiled
+            module.traced_when_compiled = traced
+    for step in range(2):
+        first, last = batches(
+            2, batch=1, seq=8, seed=step
+        )  # few tokens: the operands stay below each gradient
+        with model.no_sync():
+            model(**first).loss.backward()
+        model(**last).loss.backward()
+        model.sonar.step()
+        model.sonar.zero_grad()
+    return model, entered[0]
+
+
+def test_compiled_expert_parallel_defers_in_the_graph_bitwise_as_the_capture_does(one_rank, monkeypatch):
+    """Under expert parallelism's compiled blocks the eager capture stays out of the experts' forward
+    (its mode would run their GEMMs eagerly, op by op): the graph pass keeps their operands, and the
+    weights are bitwise those the capture's path trains (itself bitwise the plain engine: the
+    multiprocess cases). The control: a module that does not declare it enters the capture."""
+    traced, captures = _deferred_ep_trained(True, monkeypatch)
+    captured, captures_control = _deferred_ep_trained(False, monkeypatch)
+    assert captures == 0 and captures_control == 2 * 2 * 2  # 2 experts modules x 2 micro-batches x 2 steps
+    assert_same_weights(traced, captured)

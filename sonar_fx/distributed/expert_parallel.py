@@ -37,6 +37,7 @@ from sonar_fx.errors import SonarUsageError
 from sonar_fx.experts.discovery import ExpertLayer, discover_experts
 from sonar_fx.experts.grouped import grouped_mm
 from sonar_fx.experts.kernels.base import HF_LAYOUT
+from sonar_fx.optim.defer_eager import outside_capture
 from sonar_fx.optim.optimizer import NonFinite
 from sonar_fx.optim.reduction import require_process_group
 
@@ -59,6 +60,7 @@ class Routing:
 
 
 @torch.compiler.disable  # data-dependent splits and collectives: runs between a block's graphs
+@outside_capture  # routing reads no expert weight: the deferred schedule's capture has nothing to keep
 def dispatch(
     hidden_Td: Tensor, index_Tk: Tensor, num_experts: int, group: dist.ProcessGroup
 ) -> tuple[Tensor, Routing]:
@@ -83,6 +85,7 @@ def dispatch(
 
 
 @torch.compiler.disable
+@outside_capture
 def combine(y_Rd: Tensor, routing: Routing, weights_Tk: Tensor) -> Tensor:
     """Bring results (R, d) back to the slots' ranks and sum each token's k results by weight."""
     t, k = weights_Tk.shape
@@ -106,6 +109,14 @@ class ExpertParallelExperts(nn.Module):
     holds_expert_shard = True
     """This rank's share of the experts: a builder must not shard or reduce it again (`model_checks`),
     and discovery takes its El experts even when El is 1 (as many experts as ranks: (1, out, in))."""
+
+    traced_when_compiled = False
+    """True (set by `expert_parallel` on the modules it lays out): under a Sonar-compiled block its GEMMs
+    (`local_experts`) trace into the graph (the token exchange around them is its only graph break),
+    where the deferred schedule's graph pass keeps their operands, so the eager capture stays out of
+    that forward (`sonar_fx.optim.defer_eager`: its mode would run them eagerly, op by op). Its eager
+    forward is captured as any other. Left False under FSDP2 x EP (the graph sees FSDP2's unsharded
+    weights there) and for subclasses sharded by other code, whose GEMMs may be laid out otherwise."""
 
     def __init__(
         self,
@@ -263,6 +274,8 @@ def expert_parallel(
     if shard:
         replaced = shard_experts_(model, group, experts)
         experts = None if experts is None else sharded_expert_names(replaced)  # the new modules' tensors
+        for name in replaced:
+            setattr(model.get_submodule(name), "traced_when_compiled", True)  # noqa: B010  (nn.Module typing)
     reduction = LocalExperts(group)
     model = api.compile(
         model, opt_cfg, compiler=compiler, experts=experts, nonfinite=nonfinite, fallback=fallback,
