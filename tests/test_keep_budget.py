@@ -24,8 +24,8 @@ from sonar_fx.cli import main
 from sonar_fx.config import ConfigFieldError
 from sonar_fx.errors import SonarUsageError
 from sonar_fx.models import build_model
-from sonar_fx.optim import deferred as deferred_module
 from sonar_fx.optim import keep_budget
+from sonar_fx.optim.deferred_entries import Kept
 from sonar_fx.planner.keep import choose_keep_budget
 from sonar_fx.planner.models import model_source
 from sonar_fx.planner.run import MethodRun, StepMemory
@@ -66,13 +66,13 @@ def pair(compiler: str, dtype: torch.dtype, budget: object, clip: str = "sonar",
 def count_recipe_runs(monkeypatch) -> list[int]:
     """How many expert gradients were computed from kept operands (one per kept GEMM's recipe run)."""
     runs = [0]
-    gradient = deferred_module._Kept.gradient
+    gradient = Kept.gradient
 
     def counted(self, param):
         runs[0] += 1
         return gradient(self, param)
 
-    monkeypatch.setattr(deferred_module._Kept, "gradient", counted)
+    monkeypatch.setattr(Kept, "gradient", counted)
     return runs
 
 
