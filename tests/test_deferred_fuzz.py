@@ -5,7 +5,8 @@ repeated steps, accumulation) run on plain torch and on Sonar: bitwise after eve
 `SonarUsageError` before any weight moves (the weights then equal plain torch's before that operation).
 
 Arms: eager and compiled (`sonar_fx.compile(..., compiler="aot_eager")`), fp32 and bf16, the clip of
-Sonar's config or the loop's own (`model.sonar.clip_grad_norm_`); a GradScaler's loop (fp16 autocast,
+Sonar's config (every parameter, or the dense ones) or the loop's own (`model.sonar.clip_grad_norm_`),
+the keep budget 0 or everything; a GradScaler's loop (fp16 autocast,
 fp32 weights, a scale that grows into overflow, so steps are skipped); nonfinite="skip" with an inf
 in the loss or in one expert's gradient. Seeded (`SONAR_FX_FUZZ_PROGRAMS` soaks each arm)."""
 
@@ -36,19 +37,28 @@ SCALER = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, 
 
 
 def loops(
-    compiler: str, dtype: torch.dtype, clip: str, *, scaled: bool = False, nonfinite: str = "raise"
+    compiler: str,
+    dtype: torch.dtype,
+    clip: str,
+    *,
+    scaled: bool = False,
+    nonfinite: str = "raise",
+    keep_budget: int = 0,
 ) -> tuple[Loop, Loop]:
     """Sonar (schedule="deferred") and plain torch (`test_deferred.Twin`: AdamW(fused=True), one
-    `clip_grad_norm_` over every parameter), clipped by Sonar's config (`clip="all"`) or by the loop
-    (`clip="user"`: `model.sonar.clip_grad_norm_`, Sonar's own clip off). `scaled`: each side's own
-    GradScaler over fp16 autocast. `nonfinite="skip"`: plain torch drops every gradient and steps
-    nothing when one is not finite, as Sonar promises."""
+    `clip_grad_norm_` over every parameter, or the dense ones), clipped by Sonar's config
+    (`clip="all"`: expert_clip="global"; `clip="dense"`) or by the loop (`clip="user"`:
+    `model.sonar.clip_grad_norm_`, Sonar's own clip off). `scaled`: each side's own GradScaler over fp16
+    autocast. `nonfinite="skip"`: plain torch drops every gradient and steps nothing when one is not
+    finite, as Sonar promises. `keep_budget`: bytes of expert gradients the norm pass may keep."""
     model = build_model("tiny-olmoe", dtype=dtype, seed=0)
     twin_model = copy.deepcopy(model)
-    cfg = cfg_for("all") if clip == "all" else replace(cfg_for("all"), max_grad_norm=None, expert_clip=None)
+    cfg = cfg_for(clip) if clip != "user" else replace(cfg_for("all"), max_grad_norm=None, expert_clip=None)
+    cfg = replace(cfg, keep_budget=keep_budget)
     sonar_fx.compile(model, cfg, compiler=compiler, schedule="deferred", nonfinite=nonfinite)
     opt = model.sonar
-    twin = Twin(twin_model, {opt.expert_name(p) for p in opt.expert_group["params"]}, "all", compiler)
+    names = {opt.expert_name(p) for p in opt.expert_group["params"]}
+    twin = Twin(twin_model, names, "dense" if clip == "dense" else "all", compiler)
     autocast = torch.float16 if scaled else None
     ours = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
     theirs = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
@@ -68,7 +78,7 @@ def loops(
         if theirs is not None:
             theirs.unscale_(twin.opt)
         finite = all(p.grad is None or bool(p.grad.isfinite().all()) for p in twin.all)
-        norm = torch.nn.utils.clip_grad_norm_(twin.all, MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(twin.dense if clip == "dense" else twin.all, MAX_NORM)
         if clip == "user":
             plain.norms.append(norm)
         if nonfinite == "skip" and not finite:  # as if the step's batches had never been seen
@@ -87,8 +97,10 @@ def loops(
 def run(seed: int, compiler: str, dtype: torch.dtype, *, scaled: bool = False, nonfinite: str = "raise"):
     rng = random.Random(seed)
     ops = {**OPS, **INF_OPS} if nonfinite == "skip" else OPS
-    clip = "all" if scaled else rng.choice(["all", "user"])  # the loop's clip under a scaler is refused
-    sonar, plain = loops(compiler, dtype, clip, scaled=scaled, nonfinite=nonfinite)
+    # The loop's clip under a scaler is refused (it would take the norm of scaled gradients).
+    clip = rng.choice(["all", "dense"] if scaled else ["all", "dense", "user"])
+    keep_budget = rng.choice([0, 1 << 30])  # every expert gradient the norm pass computes kept, or none
+    sonar, plain = loops(compiler, dtype, clip, scaled=scaled, nonfinite=nonfinite, keep_budget=keep_budget)
     ops = program(rng, ops, rng.randint(5, 10))
     outcome, op, message = run_program(seed, with_gradients(ops) if scaled else ops, sonar, plain)
     assert outcome == "exact" or any(r in message for r in REFUSED), f"seed {seed}: refused {op}: {message}"
