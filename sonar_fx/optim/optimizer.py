@@ -139,6 +139,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
         self._zeroed_experts: set[int] = set()  # zero_grad(set_to_none=False) left torch a zero .grad
+        self._stepped_experts: set[int] = set()  # updated by the last deferred step: torch's .grad holds them
         self.checked_in_backward: tuple[int, str] | None = None  # `group_checks.refuse_before_update`
         # id(group) -> (an expert param group, its settings at this step's last update from it)
         self._expert_hyperparameters: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -300,6 +301,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None:
         """Update `param` at `step()` with its whole-step gradient (ours: clipped in place)."""
         self.check_deferred(name, param, grad)
+        self._stepped_experts.add(id(param))
         self._update_now(name, param, grad, path)
 
     @torch.no_grad()
@@ -360,6 +362,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.tracker.before_step()
         if self.schedule == "deferred":
             self._make_kept_zeros()
+            self._stepped_experts.clear()
             deferred_step.step(self)
             return
         if not self.tracker.updated and self.grad_watch.stale(self._dense):
@@ -412,10 +415,12 @@ class SonarOptimizer(torch.optim.Optimizer):
         else reaches them before `step()` (`_make_kept_zeros`), since 0 + g is g."""
         if set_to_none:
             self._zeroed_experts.clear()
-        else:
+        else:  # torch's .grad after a backward, or still after a step (the deferred step freed it)
             self._zeroed_experts.update(
                 id(p) for p in self.experts.params if self.deferred.has(p) or self.kept_grads.holds(p)
             )
+            self._zeroed_experts.update(self._stepped_experts)
+        self._stepped_experts.clear()
         super().zero_grad(set_to_none)
         self.deferred.clear()
         self.kept_grads.clear()
