@@ -77,6 +77,10 @@ def rewritten(params: Sequence[Tensor], before: ShardNorms) -> list[Tensor]:
     return [p for p, d in zip(common, differs.tolist(), strict=True) if d]
 
 
+def _is_dtensor(grad: Tensor) -> bool:
+    return hasattr(grad, "to_local")
+
+
 def same(param: Tensor, shot: Snapshot) -> bool:
     """`param.grad` is the very tensor of `shot`, unwritten since (False if it had none then or now)."""
     seen = shot.get(id(param))
@@ -133,6 +137,10 @@ class DenseGradWatch:
             return []
         replaced = [p for p in params if p.grad is not None and not same(p, shot)]
         gone = set(map(id, replaced))
+        # `zero_grad(set_to_none=False)` writes zeros, which no clip makes of a gradient (its factor is
+        # > 0) and whose step plain torch takes: a zeroing, not the user's clip. Plain tensors only: a
+        # DTensor's `any()` would be a collective, and its ranks could answer apart.
+        replaced = [p for p in replaced if p.grad is not None and (_is_dtensor(p.grad) or bool(p.grad.any()))]
         kept = [p for p in params if id(p) not in gone]
         return replaced + rewritten(kept, self.shards_after_backward)
 

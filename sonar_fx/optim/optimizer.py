@@ -138,6 +138,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         """Steps completed or abandoned in this process (a compiled forward tells steps apart by it)."""
         self.nonfinite_policy = NonFinitePolicy(self.nonfinite)
         self._fresh: set[str] = set()  # expert tensors whose state was created in this step
+        self._zeroed_experts: set[int] = set()  # zero_grad(set_to_none=False) left torch a zero .grad
+        self._stepped_experts: set[int] = set()  # updated by the last deferred step: torch's .grad holds them
         self.checked_in_backward: tuple[int, str] | None = None  # `group_checks.refuse_before_update`
         # id(group) -> (an expert param group, its settings at this step's last update from it)
         self._expert_hyperparameters: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -299,6 +301,7 @@ class SonarOptimizer(torch.optim.Optimizer):
     def update_deferred_(self, name: str, param: Tensor, grad: Tensor, *, path: str) -> None:
         """Update `param` at `step()` with its whole-step gradient (ours: clipped in place)."""
         self.check_deferred(name, param, grad)
+        self._stepped_experts.add(id(param))
         self._update_now(name, param, grad, path)
 
     @torch.no_grad()
@@ -358,6 +361,8 @@ class SonarOptimizer(torch.optim.Optimizer):
         refuse_group_edits(self.group_rules())  # before any weight moves: a flag edited mid-run
         self.tracker.before_step()
         if self.schedule == "deferred":
+            self._make_kept_zeros()
+            self._stepped_experts.clear()
             deferred_step.step(self)
             return
         if not self.tracker.updated and self.grad_watch.stale(self._dense):
@@ -404,7 +409,18 @@ class SonarOptimizer(torch.optim.Optimizer):
         return updated
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients."""
+        """torch's `zero_grad`, and the deferred schedule's kept operands dropped with the gradients.
+        `set_to_none=False`: torch leaves a zero `.grad` where a gradient was, which its next step applies
+        (AdamW's moments and weight decay move the tensor); the experts' zeros are made only if nothing
+        else reaches them before `step()` (`_make_kept_zeros`), since 0 + g is g."""
+        if set_to_none:
+            self._zeroed_experts.clear()
+        else:  # torch's .grad after a backward, or still after a step (the deferred step freed it)
+            self._zeroed_experts.update(
+                id(p) for p in self.experts.params if self.deferred.has(p) or self.kept_grads.holds(p)
+            )
+            self._zeroed_experts.update(self._stepped_experts)
+        self._stepped_experts.clear()
         super().zero_grad(set_to_none)
         self.deferred.clear()
         self.kept_grads.clear()
@@ -415,7 +431,16 @@ class SonarOptimizer(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """`torch.nn.utils.clip_grad_norm_` over every parameter, the experts included (the deferred
         schedule; `sonar_fx.optim.deferred_loop`): returns torch's total norm, bitwise."""
+        self._make_kept_zeros()
         return deferred_loop.clip_grad_norm_(self, max_norm, norm_type)
+
+    def _make_kept_zeros(self) -> None:
+        """The zero `.grad` torch kept through `zero_grad(set_to_none=False)`, for each expert that no
+        backward reached since (one that did has its gradient kept, which the zeros would not change)."""
+        for p in self.experts.params:
+            if id(p) in self._zeroed_experts and not (self.deferred.has(p) or self.kept_grads.holds(p)):
+                p.grad = torch.zeros_like(p)
+        self._zeroed_experts.clear()
 
     def end_step(self) -> None:
         self.grad_watch.step_finished(self._dense)
@@ -434,6 +459,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         """What every end of a step, completed or abandoned, clears."""
         self.steps_ended += 1
         self._fresh.clear()
+        self._zeroed_experts.clear()
         self._expert_hyperparameters.clear()
         self.nonfinite_policy.flags.clear()
         self.tracker.reset()
