@@ -187,7 +187,8 @@ def make_sonar_backend(
         if optimizer is not None:
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
         if bound_inputs:
-            compiled = mark_graph_backward(compiled, bound_inputs)
+            updated = updated_in_graph(partitioner, owners)
+            compiled = mark_graph_backward(compiled, bound_inputs, updated_in_graph=updated)
         if not partitioner.returned:
             return compiled
         # Outside the fallback: a saving the user asked to be guarded is never traded for a silent one.
@@ -210,6 +211,15 @@ def schedule_pass(
         return bw_pass, {}
     inductor = compiler == "inductor"
     return expert_defer_pass, {"own_operands": inductor, "fused_precision": inductor}
+
+
+def updated_in_graph(partitioner: SonarPartitioner, owners: dict[int, object]) -> list[int]:
+    """The expert inputs the graph's backward updates in place (the update pass, less the gradients it
+    still returns): a second forward of one before a backward is refused (`mark_graph_backward`)."""
+    if partitioner.bw_pass is not expert_update_pass:
+        return []  # the deferred schedule moves no weight in backward; an ablation's pass is its own
+    returned = {index for index, _ in partitioner.returned}
+    return [index for index in owners if index not in returned]
 
 
 _warned_unprepared = False

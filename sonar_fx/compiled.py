@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from sonar_fx.backend import record_fallback, sonar_backend
-from sonar_fx.errors import SavingLostError, SonarUsageError
+from sonar_fx.errors import SavingLostError
 from sonar_fx.optim.defer_eager import compiled_run
 from sonar_fx.optim.optimizer import SonarOptimizer
+from sonar_fx.optim.second_forward import forward_mark, second_forward_error
 from sonar_fx.runtime import registry
 
 _COMPILED_ATTR = "_sonar_compiled_forward"
@@ -121,17 +122,10 @@ class CompiledForward:
         inside backward (activation checkpointing) is not a new forward."""
         if optimizer.schedule != "in_backward" or torch._C._current_graph_task_id() != -1:
             return
-        began = (optimizer.tracker.backwards, optimizer.steps_ended)
+        began = forward_mark(optimizer)
         if self._forward_at == began:
             self._forward_at = None  # told once: the forward after this one starts afresh
-            raise SonarUsageError(
-                "a compiled module ran a second forward with gradients before any backward (two losses "
-                "backpropagated together, as DPO's chosen and rejected, or a compiled block that runs twice "
-                "in one forward): the in-backward schedule updates the experts in each compiled graph's "
-                "backward, so one step would update them twice. Use schedule='deferred' (exact: each "
-                "forward's operands are kept until step()), run both batches in one forward (torch.cat), "
-                "or compiler='eager'. A forward you do not backpropagate belongs under torch.no_grad()."
-            )
+            raise second_forward_error()
         self._forward_at = began
 
     def _optimizer(self) -> SonarOptimizer | None:

@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from sonar_fx.optim.checks import refuse_fp16_autocast
+from sonar_fx.optim.defer_eager import in_compiled_run
 from sonar_fx.optim.saving import watch_compiled_forward, watch_gathered_experts
+from sonar_fx.optim.second_forward import refuse_second_graph_forward
 from sonar_fx.runtime import registry
 
 SONAR_BACKEND_FLAG = "is_sonar_backend"
@@ -66,21 +68,30 @@ def traced_by_sonar() -> bool:
     return bool(getattr(compiler, SONAR_BACKEND_FLAG, False))
 
 
-def mark_graph_backward(compiled: Callable[..., Any], expert_indices: Sequence[int]) -> Callable[..., Any]:
+def mark_graph_backward(
+    compiled: Callable[..., Any], expert_indices: Sequence[int], *, updated_in_graph: Sequence[int] = ()
+) -> Callable[..., Any]:
     """Wrap a compiled graph whose inputs at `expert_indices` are bound expert tensors: at each call with
     grad, the owners of those inputs (found at run time: dynamo reuses a graph for other modules) are
     told a backward began when it first reaches the graph's outputs, unless that backward was already
-    seen beginning (the model's own hook, or another graph of the same forward)."""
+    seen beginning (the model's own hook, or another graph of the same forward). The inputs at
+    `updated_in_graph` are updated in place by the graph's backward: a second forward of one of them
+    before a backward is refused first (`second_forward`), unless `sonar_fx.compile`'s wrapper, which
+    refuses it by module, runs the graph."""
 
     def run(*args: Any) -> Any:
         # Dynamo calls with the inputs, or with one list of them (boxed) that the callee empties.
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         found = (registry.owner_of(inputs[i]) for i in expert_indices)
         owners = {id(o): o for o in found if hasattr(o, "backward_began")}  # a Sonar optimizer
+        # A forward run inside a backward (activation checkpointing's recompute) begins no backward.
+        forward = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        if forward and updated_in_graph and not in_compiled_run():
+            updated = ((registry.owner_of(inputs[i]), inputs[i]) for i in updated_in_graph)
+            refuse_second_graph_forward((o, t) for o, t in updated if o is not None)
         outputs = compiled(*args)
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
-        # A forward run inside a backward (activation checkpointing's recompute) begins no backward.
-        if owners and tensors and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if owners and tensors and forward:
             marks = [(owner, _fp16_devices(owner)) for owner in owners.values()]
             began = lambda _: _began(marks, graph=True)  # noqa: E731
             torch.autograd.graph.register_multi_grad_hook(tensors, began, mode="any")

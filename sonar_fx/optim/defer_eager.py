@@ -142,6 +142,11 @@ def compiled_run() -> Iterator[None]:
         _COMPILED_RUN.reset(token)
 
 
+def in_compiled_run() -> bool:
+    """Whether a forward `sonar_fx.compile` compiled is running now (`compiled_run`)."""
+    return _COMPILED_RUN.get()
+
+
 def _left_to_the_pass(module: nn.Module) -> bool:
     """Whether `module`'s GEMMs trace into the graph of the compiled forward running now."""
     return _COMPILED_RUN.get() and bool(getattr(module, "traced_when_compiled", False))
