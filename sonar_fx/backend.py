@@ -187,7 +187,7 @@ def make_sonar_backend(
         if optimizer is not None:
             _record_compile(optimizer, partitioner, from_cache=_aot_cache_hits() > cache_hits)
         if bound_inputs:
-            compiled = mark_graph_backward(compiled, bound_inputs)
+            compiled = mark_graph_backward(compiled, bound_inputs, updated_in_graph(partitioner, owners))
         if not partitioner.returned:
             return compiled
         # Outside the fallback: a saving the user asked to be guarded is never traded for a silent one.
@@ -196,6 +196,15 @@ def make_sonar_backend(
 
     setattr(backend, SONAR_BACKEND_FLAG, True)  # prepare's forward hook traces to nothing under it
     return backend
+
+
+def updated_in_graph(partitioner: SonarPartitioner, owners: dict[int, object]) -> list[int]:
+    """The input indices of the expert tensors this graph's backward updates in-graph: every owned one
+    the in-backward pass did not leave to the hooks (none under the deferred pass, which only keeps)."""
+    if partitioner.bw_pass is expert_defer_pass:
+        return []
+    returned = {index for index, _ in partitioner.returned}
+    return sorted(index for index in owners if index not in returned)
 
 
 def schedule_pass(

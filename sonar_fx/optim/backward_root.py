@@ -21,9 +21,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.checks import refuse_fp16_autocast
+from sonar_fx.optim.outside_reads import refuse_reads_outside_graph, tag_in_graph_updates, updates_in_graph
 from sonar_fx.optim.saving import watch_compiled_forward, watch_gathered_experts
 from sonar_fx.runtime import registry
+from sonar_fx.runtime.meter import backward_node
 
 SONAR_BACKEND_FLAG = "is_sonar_backend"
 """An attribute set True on every dynamo backend function of `sonar_fx.backend`."""
@@ -66,19 +69,26 @@ def traced_by_sonar() -> bool:
     return bool(getattr(compiler, SONAR_BACKEND_FLAG, False))
 
 
-def mark_graph_backward(compiled: Callable[..., Any], expert_indices: Sequence[int]) -> Callable[..., Any]:
+def mark_graph_backward(
+    compiled: Callable[..., Any], expert_indices: Sequence[int], in_graph: Sequence[int] = ()
+) -> Callable[..., Any]:
     """Wrap a compiled graph whose inputs at `expert_indices` are bound expert tensors: at each call with
     grad, the owners of those inputs (found at run time: dynamo reuses a graph for other modules) are
     told a backward began when it first reaches the graph's outputs, unless that backward was already
-    seen beginning (the model's own hook, or another graph of the same forward)."""
+    seen beginning (the model's own hook, or another graph of the same forward). The graph's autograd
+    node is tagged with the inputs at `in_graph`, the experts its backward updates in-graph
+    (`outside_reads`)."""
 
     def run(*args: Any) -> Any:
         # Dynamo calls with the inputs, or with one list of them (boxed) that the callee empties.
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         found = (registry.owner_of(inputs[i]) for i in expert_indices)
         owners = {id(o): o for o in found if hasattr(o, "backward_began")}  # a Sonar optimizer
+        updated = [inputs[i] for i in in_graph]
         outputs = compiled(*args)
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
+        if updated and tensors and (node := backward_node(outputs)) is not None:
+            tag_in_graph_updates(node, updated, owners.values())
         # A forward run inside a backward (activation checkpointing's recompute) begins no backward.
         if owners and tensors and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             marks = [(owner, _fp16_devices(owner)) for owner in owners.values()]
@@ -97,6 +107,13 @@ def _began(marks: list[tuple[Any, set[str]]], *, graph: bool = False) -> None:
     sighting, a second forward's outputs, stays the tracker's to judge). Updates of the step's earlier
     backwards (accumulation="per_microbatch") do not count: told again, the tracker would read the
     backward it was just told of as one that raised part-way."""
+    if any(updates_in_graph(owner) for owner, _ in marks):
+        try:
+            refuse_reads_outside_graph()  # before any update of this backward: nothing has moved
+        except SonarUsageError:
+            for owner, _ in marks:
+                owner.tracker.backward_refused()
+            raise
     for owner, fp16 in marks:
         refuse_fp16_autocast(fp16)
         tracker = owner.tracker
