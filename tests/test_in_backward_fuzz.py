@@ -219,3 +219,23 @@ def test_a_penalty_inside_the_compiled_forward_is_exact_and_updated_in_graph():
             plain.zero_grad()
     assert_same_weights(model, twin_model)
     assert penalised.sonar.report()["updates_in_graph"] == 8
+
+
+def test_a_penalty_under_regional_compile_is_refused_before_any_block_moves():
+    """Regional compile: one graph node per block, the model's own hook first (its outputs are computed
+    outside the blocks). The penalty is refused there, after a backward of the same step, with no weight
+    moved; the next backward updates every expert in-graph as usual."""
+    model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
+    model.config.use_cache = False  # one graph for both blocks (regional=True would say it sets this)
+    run = sonar_fx.compile(model, CFG, compiler="aot_eager", regional=True, accumulation="per_microbatch")
+    data = batches(3, seq=8, seed=0)
+    with sonar_warnings_quiet():
+        run(**data[0]).loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        penalty = sum(p.square().sum() for p in model.sonar.expert_group["params"])
+        with pytest.raises(sonar_fx.SonarUsageError, match=r"4 expert tensor\(s\).*from outside it"):
+            (run(**data[1]).loss + penalty).backward()
+        assert all(map(torch.equal, before, model.parameters()))
+        run(**data[2]).loss.backward()
+        model.sonar.step()
+    assert model.sonar.report()["updates_in_graph"] == 8
