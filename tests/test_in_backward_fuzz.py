@@ -41,8 +41,10 @@ REFUSED = {
     "penalty, compiled": "through the compiled graph that updates them in-graph and from outside it",
 }
 
-# Two forwards into one backward are refused there at once (documented): rarer, so programs go on.
-COMPILED_OPS = OPS | {"backward_of_two": 1}
+# Two forwards into one backward and a penalty on the expert weights are refused there at once
+# (documented): rarer, so programs go on (at the penalty's weight 0.75 or more, fewer than half of 150
+# soaked programs end exact). CI's seeds draw no penalty there: the tests at the end of this file do.
+COMPILED_OPS = OPS | {"backward_of_two": 1, "penalty": 0.5}
 # Under prepare + torch.compile two forwards into one backward are not refused (a known bug:
 # `test_two_forwards_into_one_backward_under_torch_compile_are_refused`): left out there too.
 TORCH_COMPILE_OPS = {op: weight for op, weight in COMPILED_OPS.items() if op != "backward_of_two"}
