@@ -215,7 +215,8 @@ def schedule_pass(
 
 def updated_in_graph(partitioner: SonarPartitioner, owners: dict[int, object]) -> list[int]:
     """The expert inputs the graph's backward updates in place (the update pass, less the gradients it
-    still returns): a second forward of one before a backward is refused (`mark_graph_backward`)."""
+    still returns to the hooks): a second forward of one before a backward is refused, and so is a
+    backward that also feeds one from outside the graph (`mark_graph_backward`)."""
     if partitioner.bw_pass is not expert_update_pass:
         return []  # the deferred schedule moves no weight in backward; an ablation's pass is its own
     returned = {index for index, _ in partitioner.returned}

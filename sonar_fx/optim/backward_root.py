@@ -21,11 +21,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.checks import refuse_fp16_autocast
 from sonar_fx.optim.defer_eager import in_compiled_run
+from sonar_fx.optim.outside_reads import refuse_reads_outside_graph, tag_in_graph_updates, updates_in_graph
 from sonar_fx.optim.saving import watch_compiled_forward, watch_gathered_experts
 from sonar_fx.optim.second_forward import refuse_second_graph_forward
 from sonar_fx.runtime import registry
+from sonar_fx.runtime.meter import backward_node
 
 SONAR_BACKEND_FLAG = "is_sonar_backend"
 """An attribute set True on every dynamo backend function of `sonar_fx.backend`."""
@@ -77,7 +80,8 @@ def mark_graph_backward(
     seen beginning (the model's own hook, or another graph of the same forward). The inputs at
     `updated_in_graph` are updated in place by the graph's backward: a second forward of one of them
     before a backward is refused first (`second_forward`), unless `sonar_fx.compile`'s wrapper, which
-    refuses it by module, runs the graph."""
+    refuses it by module, runs the graph; and the graph's autograd node is tagged with them
+    (`outside_reads`: a backward that also feeds one from outside the graph is refused)."""
 
     def run(*args: Any) -> Any:
         # Dynamo calls with the inputs, or with one list of them (boxed) that the callee empties.
@@ -89,8 +93,11 @@ def mark_graph_backward(
         if forward and updated_in_graph and not in_compiled_run():
             updated = ((registry.owner_of(inputs[i]), inputs[i]) for i in updated_in_graph)
             refuse_second_graph_forward((o, t) for o, t in updated if o is not None)
+        in_graph = [inputs[i] for i in updated_in_graph]
         outputs = compiled(*args)
         tensors = [t for t in _tensors(outputs) if t.requires_grad]
+        if in_graph and tensors and (node := backward_node(outputs)) is not None:
+            tag_in_graph_updates(node, in_graph, owners.values())
         if owners and tensors and forward:
             marks = [(owner, _fp16_devices(owner)) for owner in owners.values()]
             began = lambda _: _began(marks, graph=True)  # noqa: E731
@@ -108,6 +115,13 @@ def _began(marks: list[tuple[Any, set[str]]], *, graph: bool = False) -> None:
     sighting, a second forward's outputs, stays the tracker's to judge). Updates of the step's earlier
     backwards (accumulation="per_microbatch") do not count: told again, the tracker would read the
     backward it was just told of as one that raised part-way."""
+    if any(updates_in_graph(owner) for owner, _ in marks):
+        try:
+            refuse_reads_outside_graph()  # before any update of this backward: nothing has moved
+        except SonarUsageError:
+            for owner, _ in marks:
+                owner.tracker.backward_refused()
+            raise
     for owner, fp16 in marks:
         refuse_fp16_autocast(fp16)
         tracker = owner.tracker

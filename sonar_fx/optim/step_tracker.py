@@ -79,6 +79,12 @@ class StepTracker:
         self.create_graph = torch.is_grad_enabled()
         self.backwards += 1
 
+    def backward_refused(self) -> None:
+        """A backward that reached the model's outputs was refused before it moved anything: counted as
+        begun (it spent its forward's graph, so the next forward is not a second one before a backward),
+        and nothing else: the step goes on as if it had never run."""
+        self.backwards += 1
+
     def _earlier_backward(self) -> str:
         first, more = next(iter(self.updated)), len(self.updated) - 1
         what = f"a second backward began (this step already updated {first} and {more} more in-backward"

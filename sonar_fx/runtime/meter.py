@@ -91,7 +91,7 @@ def meter_returned_grads(
         inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
         params = [inputs[i] for i in param_indices]
         outputs = compiled(*args)
-        node = _backward_node(outputs)
+        node = backward_node(outputs)
         if node is not None:
             node.register_hook(lambda grad_inputs, grad_outputs: _count(params, meter_of))
         return outputs
@@ -146,7 +146,7 @@ def _count(params: list[Tensor], meter_of: Callable[[Tensor], ExpertGradMeter | 
             meter.returned_by_graph([p])
 
 
-def _backward_node(outputs: Any) -> Any:
+def backward_node(outputs: Any) -> Any:
     """The compiled function's autograd node (`CompiledFunctionBackward`) behind its outputs."""
     tensors = [
         o for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs]) if isinstance(o, Tensor)
