@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from sonar_fx.optim.norms import is_dtensor
+
 Snapshot = dict[int, tuple["weakref.ref[Tensor]", int]]
 """id(param) -> (weak reference to its .grad, that gradient's version counter)."""
 ShardNorms = dict[int, Tensor]
@@ -75,10 +77,6 @@ def rewritten(params: Sequence[Tensor], before: ShardNorms) -> list[Tensor]:
     a, b = torch.stack([now[id(p)] for p in common]), torch.stack([before[id(p)] for p in common])
     differs = ~((a == b) | (a.isnan() & b.isnan()))  # a NaN gradient unwritten is not "changed"
     return [p for p, d in zip(common, differs.tolist(), strict=True) if d]
-
-
-def _is_dtensor(grad: Tensor) -> bool:
-    return hasattr(grad, "to_local")
 
 
 def same(param: Tensor, shot: Snapshot) -> bool:
@@ -140,7 +138,7 @@ class DenseGradWatch:
         # `zero_grad(set_to_none=False)` writes zeros, which no clip makes of a gradient (its factor is
         # > 0) and whose step plain torch takes: a zeroing, not the user's clip. Plain tensors only: a
         # DTensor's `any()` would be a collective, and its ranks could answer apart.
-        replaced = [p for p in replaced if p.grad is not None and (_is_dtensor(p.grad) or bool(p.grad.any()))]
+        replaced = [p for p in replaced if p.grad is not None and (is_dtensor(p.grad) or bool(p.grad.any()))]
         kept = [p for p in params if id(p) not in gone]
         return replaced + rewritten(kept, self.shards_after_backward)
 

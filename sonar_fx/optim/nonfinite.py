@@ -20,6 +20,7 @@ from torch import Tensor
 
 from sonar_fx.errors import NonFiniteGradientError
 from sonar_fx.optim.adamw import nonfinite_flag
+from sonar_fx.optim.norms import is_dtensor
 from sonar_fx.optim.stats import SonarStats
 
 NonFinite = Literal["raise", "skip", "ignore"]
@@ -49,7 +50,8 @@ class NonFinitePolicy:
         non-finite too."""
         if self.mode == "ignore":
             return None
-        if norm is not None and not _is_dtensor(grad):
+        # An FSDP2 shard's norm is this rank's part: its flag comes from the whole tensor instead.
+        if norm is not None and not is_dtensor(grad):
             bad = (~torch.isfinite(norm)).to(torch.float32)
             self.flags[name] = bad
             return bad
@@ -176,8 +178,3 @@ def _listing(names: Sequence[str], none: str = "the gradients of another rank") 
     if not names:
         return none
     return ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    """An FSDP2 shard's gradient: its norm is this rank's part, so the flag comes from the whole tensor."""
-    return hasattr(t, "full_tensor")

@@ -44,7 +44,7 @@ def total_norm(norms: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norms group exactly as the gradients do."""
     if not norms:
         return torch.tensor(0.0)
-    if any(_is_dtensor(n) for n in norms):  # an FSDP2 shard's partial norm: torch groups plain tensors
+    if any(is_dtensor(n) for n in norms):  # an FSDP2 shard's partial norm: torch groups plain tensors
         return _total_norm_in_first_appearance(norms, norm_type)
     grouped = _group_tensors_by_device_and_dtype([list(norms)])
     first = norms[0].device
@@ -52,7 +52,8 @@ def total_norm(norms: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
+    """A DTensor (an FSDP2 shard's parameter or gradient): its local values are this rank's part."""
     return getattr(t, "full_tensor", None) is not None
 
 

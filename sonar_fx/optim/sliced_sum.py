@@ -91,9 +91,7 @@ def add_by_slices(
     False (nothing done) where one is not an `ExpertGemm` making `total`'s shape: the piece is then
     made whole."""
     found = [expert_gemm(recipe, operands) for recipe, operands in contributions]
-    gemms = [
-        g for g in found if g is not None and total.shape == (g.offs.numel(), g.a.shape[0], g.b.shape[1])
-    ]
+    gemms = [g for g in found if g is not None and total.shape == g.shape]
     if not gemms or len(gemms) != len(found) or total.shape[0] == 0:
         return False
     ends = [gemm.ends() for gemm in gemms]
