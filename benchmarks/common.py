@@ -348,7 +348,8 @@ def start(
     p = parser(module, doc)
     for o in overrides:
         o.add_to(p)
-    group = p.add_mutually_exclusive_group()
+    if modes:  # argparse's --help fails on an empty exclusive group
+        group = p.add_mutually_exclusive_group()
     for m in modes:
         group.add_argument(m.flag, dest="mode", action="store_const", const=m, help=m.question)
     args = p.parse_args(argv)

@@ -430,3 +430,13 @@ def test_hot_path_profiles_each_update_beside_its_equal_work_twin(one_thread):
     eager = [g for g in goals if "eager" in g.name]
     assert len(eager) == 3 and all(g.status != "not measured" for g in eager)  # met, MISSED or noise
     assert [row[0] for row in tables[0].rows][:2] == ["step, wall (timed rounds)", "step, CPU (timed rounds)"]
+
+
+@pytest.mark.parametrize("script", ["keep_budget", "methods", "distributed_deferred"])
+def test_every_benchmark_prints_its_help(script, capsys):
+    """A script without modes once built an empty exclusive group, on which argparse's --help fails."""
+    module = __import__(f"benchmarks.{script}", fromlist=["main"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert f"python -m benchmarks.{script}" in capsys.readouterr().out
