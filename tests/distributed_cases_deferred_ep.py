@@ -1,6 +1,6 @@
 """Expert-parallel cases of the deferred schedule's spawn (`test_distributed_deferred`) beside those of
-`distributed_cases_deferred`: one expert per rank, an inf in one rank's experts only, and the eager
-step's memory.
+`distributed_cases_deferred`: one expert per rank, an inf in one rank's experts only (nonfinite="skip",
+and "raise" with the verdict all-reduces each step runs), and the eager step's memory.
 
 With as many experts as ranks each rank holds (1, out, in) expert tensors; expert discovery takes them
 because the experts module declares it holds one rank's share. Under nonfinite="skip", an inf in one
@@ -20,6 +20,7 @@ import os
 import warnings
 from contextlib import nullcontext
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from distributed_cases_deferred import MAX_NORM, MODELS, cfg_for, data_of, defer
 from distributed_cases_deferred_sharded_scaler import poison_one_expert_
 from distributed_cases_options import ENGINES, ep_global_clip_
 
+import sonar_fx
 import sonar_fx.distributed as sd
 from sonar_fx.memory_live import LiveStorageMeter
 from sonar_fx.models import build_model
@@ -107,6 +109,42 @@ def plain_skipping_the_poisoned_step(rank: int, data: list[list[dict]], clip: st
             twin_opt.step()
         twin_opt.zero_grad()
     return twin
+
+
+def raise_on_one_ranks_inf(rank: int, where: str) -> dict[str, Any]:
+    """nonfinite="raise" (the default), the dense clip, 2 micro-batches per step: in step 2 rank 1 alone
+    gets an inf, in a dense gradient before DDP averages it (`where="dense"`: a hook on its first dense
+    tensor) or in its first kept expert operand (`where="experts"`). Each rank abandons the step it
+    raised in and trains on. Reports, per step, the all-reduces `step()` ran (the verdicts: the
+    plain engine's step runs none), the error it raised ("" for none) and the tensors it moved."""
+    data = data_of(rank, 2)
+    torch._dynamo.reset()
+    model = build_model(MODELS["ep"], dtype=torch.float32, seed=0)
+    run = sd.expert_parallel(model, cfg_for("dense"), schedule="deferred")
+    opt = run.sonar
+    dense_name, dense = next((n, p) for n, p in model.named_parameters() if ".experts." not in n)
+    seen: dict[str, Any] = {"dense_name": dense_name, "all_reduces": [], "raised": [], "moved": []}
+    for step, micro_batches in enumerate(data):
+        poisoned = (step, rank) == POISONED
+        hook = dense.register_hook(lambda g: g + float("inf")) if poisoned and where == "dense" else None
+        backwards(run, micro_batches)
+        if hook is not None:
+            hook.remove()
+        if poisoned and where == "experts":
+            poison_one_expert_(opt)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        raised = ""
+        with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+            try:
+                opt.step()
+            except sonar_fx.NonFiniteGradientError as err:
+                raised = str(err)
+                opt.abandon_step()
+        opt.zero_grad()
+        seen["all_reduces"].append(all_reduce.call_count)
+        seen["raised"].append(raised)
+        seen["moved"].append([n for n, p in model.named_parameters() if not torch.equal(p, before[n])])
+    return seen
 
 
 SAVING_MODEL = {"num_experts": 32, "hidden_size": 64, "intermediate_size": 64, "num_layers": 4}
@@ -194,6 +232,8 @@ def ep_cases(rank: int) -> dict[str, Any]:
         "ep/one_expert_per_rank": exact(rank, *ONE_EXPERT_PER_RANK, model_kw=ONE_EXPERT_PER_RANK_MODEL),
         "ep/inf_in_one_ranks_experts": inf_in_one_ranks_experts(rank, "all"),
         "ep/inf_in_one_ranks_experts/dense": inf_in_one_ranks_experts(rank, "dense"),
+        "ep/raise/dense_inf": raise_on_one_ranks_inf(rank, "dense"),
+        "ep/raise/expert_inf": raise_on_one_ranks_inf(rank, "experts"),
         "ep/eager_memory": eager_memory(rank, SAVING_MODEL),
         "ep/eager_memory/crossed_over": eager_memory(rank, CROSSING_MODEL),
     }

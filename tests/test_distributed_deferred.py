@@ -163,6 +163,34 @@ def test_nonfinite_skip_with_an_inf_in_one_ranks_experts_skips_the_step_on_every
     assert ".mlp.experts." in poisoned and "another rank" in clean, (poisoned, clean)
 
 
+def test_nonfinite_raise_with_an_inf_in_one_ranks_dense_gradient_stops_every_expert_parallel_rank(ranks):
+    """nonfinite="raise", the dense clip: an inf in rank 1's dense gradient (before DDP averages it)
+    stops every rank at step() before any weight moves, with no collective (the dense norm is the same
+    on every rank); a clean step runs one verdict all-reduce, the experts' (it ran two: the dense step
+    asked every rank too); the step after the raise trains on every rank."""
+    for run in (r["ep/raise/dense_inf"] for r in ranks):
+        assert run["all_reduces"] == [1, 0, 1]
+        assert run["dense_name"] in run["raised"][1] and run["raised"][0] == run["raised"][2] == ""
+        assert run["moved"][1] == []  # on every rank
+        assert len(run["moved"][0]) == len(run["moved"][2]) > EXPERT_TENSORS  # they train
+
+
+def test_nonfinite_raise_with_an_inf_in_one_ranks_experts_stops_every_expert_parallel_rank(ranks):
+    """nonfinite="raise", the dense clip: an inf in one expert gradient of rank 1 stops every rank at the
+    end of step() (the one verdict all-reduce of each step), the non-finite tensor untouched; the step
+    after it trains on every rank."""
+    runs = [r["ep/raise/expert_inf"] for r in ranks]
+    for run in runs:
+        assert run["all_reduces"] == [1, 1, 1]
+        assert run["raised"][0] == run["raised"][2] == "" and len(run["moved"][2]) == len(run["moved"][0])
+    (clean, poisoned), (moved_clean, moved_poisoned) = zip(
+        *((run["raised"][1], run["moved"][1]) for run in runs), strict=True
+    )
+    assert "another rank" in clean and ".mlp.experts." in poisoned, (clean, poisoned)
+    untouched = [n for n in moved_clean if n not in moved_poisoned]
+    assert len(untouched) == 1 and untouched[0] in poisoned, untouched
+
+
 @pytest.mark.slow
 def test_deferred_on_ddp_under_inductor_equals_plain_ddp_under_inductor(tmp_path):
     distributed_worker.run("distributed_cases_deferred:deferred_inductor", str(tmp_path))

@@ -26,6 +26,9 @@ class SonarOptimizer(global_clip.Optimizer, Protocol):
     tracker: StepTracker
     _dense: list[Tensor]
 
+    @property
+    def schedule(self) -> str: ...
+
     def _any_rank(self, local: bool) -> bool: ...
 
     def _forget_fresh_states(self, names: list[str]) -> None: ...
@@ -50,7 +53,7 @@ def dense_step(opt: SonarOptimizer) -> None:
     skipped = opt.nonfinite_policy.at_step(
         norms.dense,
         lambda: [opt.dense_name(p) for p in params if not finite(p.grad)],
-        opt._any_rank,
+        _this_rank if opt.schedule == "deferred" else opt._any_rank,
         opt.stats,
     )
     if skipped is not None:
@@ -67,6 +70,15 @@ def dense_step(opt: SonarOptimizer) -> None:
         stepped = [p for p in group["params"] if p.grad is not None]
         states = [opt._state(p, rule=rule) for p in stepped]
         rule.update_(stepped, [p.grad for p in stepped], states, group)
+
+
+def _this_rank(local: bool) -> bool:
+    """The deferred schedule's verdict here, without a collective: it flags its experts only in the
+    update pass after this (their verdict is the step's own, over every rank: `deferred_step`), so this
+    one is on the dense norm alone, which is the same on every rank (each engine reduces the dense
+    gradients before `step()`, and FSDP2's norm is the DTensor's whole): every rank reaches it alike.
+    Under expert parallelism this saves the step one of its two verdict all-reduces."""
+    return local
 
 
 def _refuse_changed_grads(opt: SonarOptimizer) -> None:
