@@ -237,7 +237,8 @@ class TimeRow:
 
 
 def measure_time(cfg: Config, engine: str, clip: str) -> TimeRow:
-    """`cfg.rounds` rounds, each arm one timed step per round in alternating order (both ranks alike)."""
+    """`cfg.rounds` rounds, each arm one timed step per round in alternating order (both ranks alike),
+    timed from a barrier to a barrier."""
     plain, deferred = build(cfg, engine, False, clip), build(cfg, engine, True, clip)
     steps = steps_of(cfg, cfg.warmup + cfg.rounds, seed=100)
     for micro in steps[: cfg.warmup]:
@@ -249,6 +250,9 @@ def measure_time(cfg: Config, engine: str, clip: str) -> TimeRow:
             dist.barrier()
             began = time.perf_counter()
             arm.train(micro)
+            # The step ends when every rank has ended it: a plain step that ends without a collective
+            # would otherwise leave the slower rank's lag to the next step's first collective, untimed.
+            dist.barrier()
             times["plain" if arm is plain else "deferred"].append(time.perf_counter() - began)
         if clip == "all":
             times["extra"].append(_extra_gemms(deferred, micro))
@@ -380,7 +384,9 @@ def time_table(rows: list[TimeRow], cfg: Config) -> Table:
                      "-" if floor is None else f"{floor:.2f}x"])  # fmt: skip
     note = (
         f"{cfg.rounds} rounds, arms alternating, each round one step of {cfg.accum} micro-batches per arm "
-        "(after a barrier); ratio = deferred / plain on the same rank in the same round (median [IQR]). "
+        "from a barrier to a barrier (a step ends when every rank has ended it, as the next step's first "
+        "collective waits for the slowest); ratio = deferred / plain on the same rank in the same round "
+        "(median [IQR]). "
         "floor (clip over all) = 1 + the norm pass's extra weight-gradient GEMMs (every expert gradient "
         "computed once more from the kept operands, timed apart) / the plain step. Shared 2-core machine: "
         "ratios, not absolute times."
