@@ -158,6 +158,23 @@ def test_nonfinite_dense_gradient_raises_before_the_dense_update():
     assert all(torch.equal(before["model"][k], after["model"][k]) for k in before["model"])
 
 
+@pytest.mark.parametrize("schedule", ["in_backward", "deferred"])
+def test_a_nonfinite_dense_gradient_says_whether_the_experts_moved(schedule):
+    """In backward the experts were updated before `step()` saw the dense inf; deferred, none was."""
+    model = _model("eager", "tiny-olmoe", schedule=schedule)
+    b0, b1 = batches(2)
+    _step(model, b0)
+    # NaN in backward (the deferred schedule refuses a dense gradient edited between backward and step)
+    model.model.embed_tokens.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
+    model(**b1).loss.backward()
+    before = _state(model)
+    said = "updated in backward" if schedule == "in_backward" else "No expert tensor was touched"
+    with pytest.raises(sonar_fx.NonFiniteGradientError, match=said):
+        model.sonar.step()
+    if schedule == "deferred":
+        assert _same_state(before, _state(model)), "a weight or moment moved on the refused step"
+
+
 def test_nonfinite_ignore_trains_on_nan_as_before():
     model = _model("eager", nonfinite="ignore")
     _step(model, batches(1)[0], scale=float("nan"))

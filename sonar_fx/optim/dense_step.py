@@ -55,6 +55,7 @@ def dense_step(opt: SonarOptimizer) -> None:
         lambda: [opt.dense_name(p) for p in params if not finite(p.grad)],
         _this_rank if opt.schedule == "deferred" else opt._any_rank,
         opt.stats,
+        experts_moved=opt.schedule != "deferred",
     )
     if skipped is not None:
         for p in params:

@@ -31,6 +31,8 @@ AnyRank = Callable[[bool], bool]
 
 _ABANDON = "Call optimizer.abandon_step() to drop the step and go on"
 _SKIP = "or pass nonfinite='skip' to skip such steps."
+_EXPERTS_MOVED = "The expert tensors were updated in backward with finite gradients"
+_EXPERTS_KEPT = "No expert tensor was touched either (the deferred schedule updates them after the dense)"
 
 
 class NonFinitePolicy:
@@ -92,9 +94,13 @@ class NonFinitePolicy:
         dense_bad: Callable[[], list[str]],
         any_rank: AnyRank,
         stats: SonarStats,
+        *,
+        experts_moved: bool = True,
     ) -> list[str] | None:
         """At `step()`: the flagged expert names if the step is skipped (the caller drops the dense
-        gradients), None to step. A non-finite dense norm raises under "raise", naming `dense_bad()`."""
+        gradients), None to step. A non-finite dense norm raises under "raise", naming `dense_bad()`.
+        `experts_moved`: the experts were updated in backward (the deferred schedule updates them after
+        the dense step), which the message says."""
         if self.mode == "ignore":
             return None
         skipped = self.flagged()
@@ -103,7 +109,7 @@ class NonFinitePolicy:
             bad = dense_bad()
             raise NonFiniteGradientError(
                 f"dense gradients hold inf or NaN ({_listing(bad)}; nonfinite='raise'); no dense weight or "
-                "moment was touched. The expert tensors were updated in backward with finite gradients: "
+                f"moment was touched. {_EXPERTS_MOVED if experts_moved else _EXPERTS_KEPT}: "
                 f"{_ABANDON} (drops this step's dense gradients), {_SKIP}",
                 bad,
             )
