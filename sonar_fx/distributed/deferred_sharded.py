@@ -11,7 +11,8 @@ Three pieces, each set up by `sonar_fx.distributed.fsdp2` / `fsdp2_ep` under sch
 - Reduction. FSDP2's `foreach_reduce` for one parameter, built from FSDP2's own pieces and its
   group's own settings (`_get_gradient_divide_factors`: ReduceOp.AVG for fp32/bf16, or PREMUL_SUM /
   SUM and a post-divide where the group forces sums or sets a divide factor, fp16's pre- and
-  post-divide; the chunk_cat copy-in; the group's reduce-scatter; the cast to the parameter's dtype),
+  post-divide; the chunk_cat copy-in, where the gradient does not already lie so; the group's
+  reduce-scatter; the cast to the parameter's dtype),
   so each element is the same op on the same operands as in plain FSDP2. It is split into
   `start_reduce_scatter` (the collective in flight) and `finish_reduce_scatter` (wait, give back the
   rank's shard as a DTensor): `step_reduce` starts it and the deferred step waits for it only after
