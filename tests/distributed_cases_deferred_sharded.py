@@ -299,6 +299,43 @@ def inf_on_one_rank(rank: int) -> dict[str, Any]:
     }
 
 
+def shard_verdicts(rank: int) -> dict[str, Any]:
+    """The non-finite flag of an FSDP2 shard's gradient (a Shard(0) DTensor over 2 ranks), given the
+    whole tensor's norm as `ExpertClipper.norm_of` records it: an inf in rank 1's shard only, a NaN in
+    rank 0's only, and finite values, per dtype (float16: a finite shard whose whole norm, reduced as
+    a sum of squares in float16, overflows). Each: the flag, the collectives the flag itself ran, and
+    the shard's own local verdict (the rank-local answer the whole tensor's must not be)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from sonar_fx.optim.adamw import nonfinite_flag
+    from sonar_fx.optim.nonfinite import NonFinitePolicy
+    from sonar_fx.optim.norms import plain, tensor_norm
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cases = {"inf_in_rank_1": (1, float("inf")), "nan_in_rank_0": (0, float("nan")), "finite": (None, 0.0)}
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for case, (where, value) in cases.items():
+            local = torch.full((2, 3), 0.5, dtype=dtype)
+            if where == rank:
+                local[1, 2] = value
+            if case == "finite" and dtype == torch.float16:
+                local.fill_(200.0)  # whole norm ~693 > 256: its square overflows float16 in the reduction
+            grad = DTensor.from_local(local, mesh, [Shard(0)])
+            norm = plain(tensor_norm(grad))
+            with CommDebugMode() as comms:
+                flag = NonFinitePolicy("raise").flag("w", grad, norm)
+            assert flag is not None
+            value_of = flag.full_tensor() if isinstance(flag, DTensor) else flag
+            out[f"{case}/{str(dtype).removeprefix('torch.')}"] = {
+                "flag": float(value_of),
+                "collectives": comms.get_total_counts(),
+                "local": float(nonfinite_flag(local)),
+                "norm_finite": bool(torch.isfinite(norm)),
+            }
+    return out
+
+
 EXACT = [
     ("fsdp2", "fp32", "all", "eager", 4),
     ("fsdp2", "bf16", "dense", "eager", 2),
@@ -345,6 +382,7 @@ def deferred_sharded(rank: int) -> dict[str, Any]:
             out["control/sync_every"] = differ_full(model, twin)
     out["fsdp2_ep/one_expert_per_rank"] = exact(rank, *ONE_EXPERT_PER_RANK, ONE_EXPERT_PER_RANK_MODEL)[0]
     out["inf_on_one_rank"] = inf_on_one_rank(rank)
+    out["shard_verdicts"] = shard_verdicts(rank)
     out.update(grad_scaler_cases(rank))
     out["refused/every"] = refused_loop(rank, "every")
     out["refused/never"] = refused_loop(rank, "never")

@@ -110,6 +110,27 @@ def test_grad_scaler_with_overflow_equals_plain_fsdp2_with_the_scaler_and_clip(r
         check_scaler_run(r[f"grad_scaler/{grid}"], steps_taken=3, max_norm=MAX_NORM)
 
 
+def test_a_shards_nonfinite_flag_is_the_whole_tensors_from_its_reduced_norm_with_no_collective(ranks):
+    """An FSDP2 shard's flag comes from the whole tensor's norm (already reduced over ranks): an inf or
+    NaN in one rank's shard flags the tensor on every rank (the shard's own verdict would not), with no
+    collective of its own (fp32, bf16). float16 keeps the shard's own whole-tensor check: its reduced
+    norm overflows for a finite gradient (norm ~693), which must not be flagged."""
+    for rank, r in enumerate(ranks):
+        verdicts = r["shard_verdicts"]
+        for dtype in ("float32", "bfloat16"):
+            for case, bad_rank in (("inf_in_rank_1", 1), ("nan_in_rank_0", 0)):
+                v = verdicts[f"{case}/{dtype}"]
+                assert v["flag"] == 1.0 and v["collectives"] == 0, (case, dtype, v)
+                assert v["local"] == (1.0 if rank == bad_rank else 0.0)  # the control: local differs
+            finite = verdicts[f"finite/{dtype}"]
+            assert finite["flag"] == 0.0 and finite["collectives"] == 0, finite
+        for case in ("inf_in_rank_1", "nan_in_rank_0"):
+            assert verdicts[f"{case}/float16"]["flag"] == 1.0
+        overflow = verdicts["finite/float16"]
+        assert not overflow["norm_finite"] and overflow["flag"] == 0.0, overflow
+        assert overflow["collectives"] > 0  # the shard's own check: the whole tensor's min and max
+
+
 @pytest.mark.parametrize("grid", ["fsdp2", "ep12"])
 def test_grad_scaler_inf_in_one_ranks_expert_gradient_skips_the_step_on_every_rank(ranks, grid):
     """The dense gradients finite, one expert gradient non-finite on rank 1 only (on the 1x2 grid no

@@ -11,7 +11,8 @@ Three pieces, each set up by `sonar_fx.distributed.fsdp2` / `fsdp2_ep` under sch
 - Reduction. FSDP2's `foreach_reduce` for one parameter, built from FSDP2's own pieces and its
   group's own settings (`_get_gradient_divide_factors`: ReduceOp.AVG for fp32/bf16, or PREMUL_SUM /
   SUM and a post-divide where the group forces sums or sets a divide factor, fp16's pre- and
-  post-divide; the chunk_cat copy-in; the group's reduce-scatter; the cast to the parameter's dtype),
+  post-divide; the chunk_cat copy-in, where the gradient does not already lie so; the group's
+  reduce-scatter; the cast to the parameter's dtype),
   so each element is the same op on the same operands as in plain FSDP2. It is split into
   `start_reduce_scatter` (the collective in flight) and `finish_reduce_scatter` (wait, give back the
   rank's shard as a DTensor): `step_reduce` starts it and the deferred step waits for it only after
@@ -98,13 +99,16 @@ class PendingShard:
     work: dist.Work | None
     postdivide: float | None
     buffer: Tensor | None
-    """The reduce-scatter's input (world x shard), alive until the collective completes."""
+    """The reduce-scatter's input (world x shard; a view of the gradient where its layout is that
+    input), alive until the collective completes."""
 
 
 def start_reduce_scatter(expert: ShardedExpert, full: Tensor) -> PendingShard:
     """Start FSDP2's reduction of `full` (one expert tensor's unsharded local gradient, in the
-    parameter's layout) over its group: FSDP2's divide factors and op, its copy-in into a
-    world-chunked buffer, the group's reduce-scatter, asynchronously. `full` may be freed after."""
+    parameter's layout) over its group: FSDP2's divide factors and op, its world-chunked input
+    (`_world_chunked`: `full` itself where its layout is that input), the group's reduce-scatter,
+    asynchronously. The caller may drop `full` after (the pending shard keeps the input alive) but
+    must not write it until `finish_reduce_scatter`."""
     group = expert.group
     rs_group = group._reduce_scatter_process_group
     world = rs_group.size()
@@ -114,8 +118,7 @@ def start_reduce_scatter(expert: ShardedExpert, full: Tensor) -> PendingShard:
         group.force_sum_reduction_for_comms,
     )  # fmt: skip
     padded = _get_dim0_padded_size(full.size(), world)
-    rs_input = torch.empty((padded.numel(),), dtype=reduce_dtype, device=full.device)
-    foreach_reduce_scatter_copy_in([full], rs_input, world)
+    rs_input = _world_chunked(full, padded, reduce_dtype, predivide, world)
     output = torch.empty((padded.numel() // world,), dtype=reduce_dtype, device=full.device)
     _div_if_needed(rs_input, predivide)
     if world > 1:
@@ -127,6 +130,21 @@ def start_reduce_scatter(expert: ShardedExpert, full: Tensor) -> PendingShard:
         output.copy_(rs_input / factor if factor is not None else rs_input)
         work = None
     return PendingShard(expert, output, work, postdivide, rs_input)
+
+
+def _world_chunked(
+    full: Tensor, padded: torch.Size, reduce_dtype: torch.dtype, predivide: float | None, world: int
+) -> Tensor:
+    """The reduce-scatter's input: `full` cut into `world` chunks on dim 0, each flattened, in rank
+    order (FSDP2's copy-in, `chunk_cat`). A contiguous gradient in the reduce dtype whose dim 0 the
+    world divides already lies so in memory, chunk for chunk: its flat view is that input, the same
+    values without the copy. A copy where it pads, casts or re-lays out, or where the pre-divide
+    writes into it (a gradient the step may still hold)."""
+    if full.is_contiguous() and full.dtype == reduce_dtype and padded == full.size() and predivide is None:
+        return full.view(-1)
+    rs_input = torch.empty((padded.numel(),), dtype=reduce_dtype, device=full.device)
+    foreach_reduce_scatter_copy_in([full], rs_input, world)
+    return rs_input
 
 
 def finish_reduce_scatter(pending: PendingShard) -> Tensor:

@@ -52,8 +52,7 @@ class NonFinitePolicy:
         non-finite too."""
         if self.mode == "ignore":
             return None
-        # An FSDP2 shard's norm is this rank's part: its flag comes from the whole tensor instead.
-        if norm is not None and not is_dtensor(grad):
+        if norm is not None and _norm_decides(grad, norm):
             bad = (~torch.isfinite(norm)).to(torch.float32)
             self.flags[name] = bad
             return bad
@@ -148,6 +147,18 @@ class NonFinitePolicy:
             )
         _count_skip(stats, [n for n in expert_norms if n in bad], f"in {where}, {clip}")
         return True
+
+
+def _norm_decides(grad: Tensor, norm: Tensor) -> bool:
+    """Whether `norm` gives `grad`'s verdict: a plain gradient's own norm does. An FSDP2 shard's
+    (a DTensor) does when `norm` is the whole tensor's, already reduced over ranks (a plain tensor, as
+    `ExpertClipper.norm_of` records it): every rank then reads the same verdict, with no pass over the
+    shard and no collective of its own (the shard's `nonfinite_flag` costs two all-reduces and a
+    `full_tensor`). Not for float16: DTensor reduces a shard's norm as the sum of its squares in the
+    gradient's dtype, which overflows float16 from a norm of 256, a finite gradient."""
+    if not is_dtensor(grad):
+        return True
+    return not is_dtensor(norm) and grad.dtype != torch.float16
 
 
 def finite(t: Tensor | None) -> bool:
