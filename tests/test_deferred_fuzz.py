@@ -22,7 +22,19 @@ import torch
 import sonar_fx
 from sonar_fx.models import build_model
 
-from fuzz_loops import INF_OPS, OPS, Loop, program, run_program, seeds
+from fuzz_loops import (
+    GRADIENT_OPS,
+    INF_OPS,
+    OPS,
+    OPTIMIZER_OPS,
+    Loop,
+    Options,
+    program,
+    repeats_a_step,
+    run_program,
+    seeds,
+    step_lr,
+)
 from helpers import weights_differ
 from test_deferred import MAX_NORM, Twin, cfg_for
 
@@ -44,26 +56,40 @@ def loops(
     scaled: bool = False,
     nonfinite: str = "raise",
     keep_budget: int = 0,
+    options: Options | None = None,
 ) -> tuple[Loop, Loop]:
     """Sonar (schedule="deferred") and plain torch (`test_deferred.Twin`: AdamW(fused=True), one
     `clip_grad_norm_` over every parameter, or the dense ones), clipped by Sonar's config
     (`clip="all"`: expert_clip="global"; `clip="dense"`) or by the loop (`clip="user"`:
     `model.sonar.clip_grad_norm_`, Sonar's own clip off). `scaled`: each side's own GradScaler over fp16
     autocast. `nonfinite="skip"`: plain torch drops every gradient and steps nothing when one is not
-    finite, as Sonar promises. `keep_budget`: bytes of expert gradients the norm pass may keep."""
+    finite, as Sonar promises. `keep_budget`: bytes of expert gradients the norm pass may keep.
+    `options`: the optimizer (AdamW or SGD), weight-decay groups and granularity, plain torch's
+    optimizer built by `Options.plain` (default: AdamW, no groups, batched)."""
     model = build_model("tiny-olmoe", dtype=dtype, seed=0)
     twin_model = copy.deepcopy(model)
     cfg = cfg_for(clip) if clip != "user" else replace(cfg_for("all"), max_grad_norm=None, expert_clip=None)
-    cfg = replace(cfg, keep_budget=keep_budget)
-    sonar_fx.compile(model, cfg, compiler=compiler, schedule="deferred", nonfinite=nonfinite)
+    options = options or Options()
+    cfg = options.config(replace(cfg, keep_budget=keep_budget), model)
+    sonar_fx.compile(
+        model,
+        cfg,
+        compiler=compiler,
+        schedule="deferred",
+        nonfinite=nonfinite,
+        granularity=options.granularity,
+    )
     opt = model.sonar
-    names = {opt.expert_name(p) for p in opt.expert_group["params"]}
+    names = {opt.expert_name(p) for p in opt.experts.params}  # every expert group, split by decay or not
     twin = Twin(twin_model, names, "dense" if clip == "dense" else "all", compiler)
+    twin.opt = options.plain(twin_model, {n for n, _ in twin_model.named_parameters()}, cfg)
     autocast = torch.float16 if scaled else None
     ours = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
     theirs = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
     sonar = Loop(model, model, lambda: None, opt.zero_grad, autocast=autocast, scaler=ours)
     plain = Loop(twin_model, twin.run, lambda: None, twin.opt.zero_grad, autocast=autocast, scaler=theirs)
+    for side, optimizer in ((sonar, opt), (plain, twin.opt)):
+        side.param_groups, side.schedulers = optimizer.param_groups, [step_lr(optimizer)]
 
     def sonar_step() -> None:
         if clip == "user":
@@ -107,9 +133,6 @@ def run(seed: int, compiler: str, dtype: torch.dtype, *, scaled: bool = False, n
     return outcome
 
 
-GRADIENT_OPS = {"backward", "backward_of_two", "penalty", "inputs_dense", "inputs_dense_and_expert"}
-
-
 def with_gradients(ops: list[str]) -> list[str]:
     """A program less each step that would find no gradient at all: plain torch's GradScaler asserts
     ("No inf checks were recorded") where an unscaled loop's step does nothing."""
@@ -120,6 +143,20 @@ def with_gradients(ops: list[str]) -> list[str]:
         any_grad = op in GRADIENT_OPS or (any_grad and op not in ("optimizer_zero_grad", "model_zero_grad"))
         kept.append(op)
     return kept
+
+
+def run_options(seed: int, dtype: torch.dtype) -> tuple[str, str | None, list[str]]:
+    """An options arm's program (eager): `OPTIMIZER_OPS` over the optimizer `Options` drawn per seed;
+    returns (outcome, the `REFUSED` text a refusal names, the ops run: the refused one last)."""
+    rng = random.Random(seed)
+    options = Options.draw(rng)
+    clip, keep_budget = rng.choice(["all", "dense", "user"]), rng.choice([0, 1 << 30])
+    sonar, plain = loops("eager", dtype, clip, keep_budget=keep_budget, options=options)
+    ops, ran = program(rng, OPTIMIZER_OPS, rng.randint(5, 10)), []
+    outcome, op, message = run_program(seed, ops, sonar, plain, ran=ran)
+    named = next((r for r in REFUSED if message is not None and r in message), None)
+    assert outcome == "exact" or named is not None, f"seed {seed}: {options}: refused {op}: {message}"
+    return outcome, named, ran
 
 
 def both_outcomes(outcomes: list[str]) -> None:
@@ -159,6 +196,18 @@ def test_nonfinite_skip_programs_with_an_inf_are_bitwise_or_refused(compiler):
     both_outcomes([run(seed, compiler, torch.float32, nonfinite="skip") for seed in seeds(8)])
 
 
+def test_optimizer_options_programs_are_bitwise_or_refused():
+    """AdamW or SGD, weight-decay groups, per-expert updates, fp32 and bf16 in turn; the LR set by hand
+    and by a torch scheduler, the optimizer's zero_grad(set_to_none=False) (each in some exact
+    program), steps with no backward between them."""
+    runs = [run_options(seed, (torch.float32, torch.bfloat16)[seed % 2]) for seed in seeds(6)]
+    both_outcomes([outcome for outcome, _, _ in runs])
+    ran = [ops for _, _, ops in runs]
+    assert any(map(repeats_a_step, ran)), ran  # exact, or refused at the repeated step
+    drawn = {op for outcome, _, ops in runs if outcome == "exact" for op in ops}
+    assert {"set_lr", "scheduler_step", "optimizer_zero_grad_keep"} <= drawn, runs
+
+
 # ---------------------------------------------------------------- what the fuzzer found, minimised
 
 ZEROS_THEN_STEP = ["backward", "model_zero_grad_keep", "step"]
@@ -189,3 +238,33 @@ def test_the_zeros_kept_after_a_step_are_applied_by_the_next_step():
     step applies; the deferred step had freed them (the experts did not step: 4 tensors differed)."""
     program = ["backward", "step", "model_zero_grad_keep", "step"]
     assert run_program(0, program, *loops("eager", torch.float32, "dense"))[0] == "exact"
+
+
+# A step the GradScaler skips: the scale (2**20 after one step) overflows fp16 in every gradient, so the
+# scaler never calls step(); or one expert's gradient is inf, the dense ones finite, so Sonar's step
+# finds it in its first pass and skips.
+SKIPPED_STEPS = {
+    "scale overflows": ["backward", "step"],
+    "one expert's inf": ["inf_expert", "step"],
+}
+
+
+@pytest.mark.parametrize(
+    ("skipped", "zero_grad"),
+    [(skipped, "optimizer_zero_grad_keep") for skipped in SKIPPED_STEPS]
+    + [("scale overflows", "model_zero_grad_keep")],
+)
+def test_after_a_skipped_step_the_zeros_that_zero_grad_keeps_step_every_tensor(skipped, zero_grad):
+    """A step the scaler skips, then zero_grad(set_to_none=False), then a step: plain torch keeps the
+    skipped step's gradients, zeroes them and steps every tensor with a zero gradient (AdamW's decay and
+    moments move it). Sonar's deferred step applies the experts' zeros too, exactly; checked here that
+    the step was skipped (no weight moved, the scale backed off) and that the last step moved every
+    tensor on both sides (an expert left unstepped would differ)."""
+    sonar, plain = loops("eager", torch.float32, "all", scaled=True)
+    assert run_program(0, ["backward", "step", "optimizer_zero_grad"], sonar, plain)[0] == "exact"
+    before = copy.deepcopy(plain.model)
+    assert run_program(1, SKIPPED_STEPS[skipped], sonar, plain)[0] == "exact"
+    assert weights_differ(plain.model, before) == [] and sonar.scaler.get_scale() == 256.0
+    assert run_program(2, [zero_grad, "step"], sonar, plain)[0] == "exact"
+    every = {n for n, _ in plain.model.named_parameters()}
+    assert set(weights_differ(plain.model, before)) == every == set(weights_differ(sonar.model, before))
