@@ -225,18 +225,27 @@ class Options:
         shared = ("lr", "weight_decay", "max_grad_norm", "expert_clip", "keep_budget", "weight_decay_groups")
         return SGDConfig(momentum=0.9, **{k: getattr(cfg, k) for k in shared})
 
-    def plain(self, model: nn.Module, names: set[str], cfg: AdamWConfig | SGDConfig) -> torch.optim.Optimizer:
-        """Plain torch's optimizer over the parameters of `model` named in `names`, `cfg`'s settings and
-        weight-decay groups: `AdamW(fused=True)`, or `SGD` (fused; foreach in bf16, where torch's fused
-        CPU kernel leaves the tensors unchanged)."""
-        params = [(n, p) for n, p in model.named_parameters() if n in names]
+    def plain(
+        self, model: nn.Module, roles: list[set[str]], cfg: AdamWConfig | SGDConfig
+    ) -> torch.optim.Optimizer:
+        """Plain torch's optimizer over the parameters of `model` named in `roles`, one param group per
+        role (Sonar's dense and expert groups: torch's foreach SGD steps a group's tensors alike), each
+        split by `cfg`'s weight-decay groups: `AdamW(fused=True)`, or `SGD` (fused; foreach in bf16,
+        where torch's fused CPU kernel leaves the tensors unchanged)."""
         exempt = {n for g in cfg.weight_decay_groups for n in g.params}
-        groups = [dict(params=[p for n, p in params if n not in exempt])]
-        if any(n in exempt for n, _ in params):
-            groups.append(dict(params=[p for n, p in params if n in exempt], weight_decay=0.0))
+        named = dict(model.named_parameters())
+        groups = []
+        for names in roles:
+            params = [(n, p) for n, p in named.items() if n in names]
+            groups += [dict(params=[p for n, p in params if n not in exempt])]
+            if any(n in exempt for n, _ in params):
+                groups.append(dict(params=[p for n, p in params if n in exempt], weight_decay=0.0))
         if isinstance(cfg, SGDConfig):
-            fused = all(p.dtype == torch.float32 for _, p in params)
-            kernel = dict(fused=True) if fused else dict(foreach=True)
+            kernel = (
+                dict(fused=True)
+                if all(p.dtype == torch.float32 for p in named.values())
+                else dict(foreach=True)
+            )
             return torch.optim.SGD(
                 groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel
             )

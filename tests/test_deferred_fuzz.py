@@ -8,7 +8,10 @@ Arms: eager and compiled (`sonar_fx.compile(..., compiler="aot_eager")`), fp32 a
 Sonar's config (every parameter, or the dense ones) or the loop's own (`model.sonar.clip_grad_norm_`),
 the keep budget 0 or everything; a GradScaler's loop (fp16 autocast,
 fp32 weights, a scale that grows into overflow, so steps are skipped); nonfinite="skip" with an inf
-in the loss or in one expert's gradient. Seeded (`SONAR_FX_FUZZ_PROGRAMS` soaks each arm)."""
+in the loss or in one expert's gradient; the optimizer options arm (`fuzz_loops.Options`: AdamW or SGD,
+weight-decay groups, per-expert updates; `OPTIMIZER_OPS`: the LR set by hand or by a scheduler, the
+optimizer's zero_grad(set_to_none=False), repeated steps). Seeded (`SONAR_FX_FUZZ_PROGRAMS` soaks each
+arm)."""
 
 from __future__ import annotations
 
@@ -44,7 +47,11 @@ pytestmark = pytest.mark.usefixtures("deferred_saving_lost")
 
 # The refusals the deferred contract names (docs/failures.md): a step with no zero_grad() since the
 # last one, and an inf under nonfinite="raise" (never generated here). Anything else refused is a bug.
-REFUSED = ("no zero_grad() since the last step()", "no backward since the last step")
+REFUSED = (
+    "no zero_grad() since the last step()",
+    "no backward since the last step",
+    "none yet, because some expert tensors stepped before the others",  # `sgd.refuse_mixed_momentum`
+)
 SCALER = dict(init_scale=256.0, growth_factor=2.0**12, backoff_factor=2.0**-12, growth_interval=1)
 
 
@@ -82,7 +89,8 @@ def loops(
     opt = model.sonar
     names = {opt.expert_name(p) for p in opt.experts.params}  # every expert group, split by decay or not
     twin = Twin(twin_model, names, "dense" if clip == "dense" else "all", compiler)
-    twin.opt = options.plain(twin_model, {n for n, _ in twin_model.named_parameters()}, cfg)
+    dense = {n for n, _ in twin_model.named_parameters()} - names
+    twin.opt = options.plain(twin_model, [dense, names], cfg)
     autocast = torch.float16 if scaled else None
     ours = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
     theirs = torch.amp.GradScaler("cpu", **SCALER) if scaled else None
@@ -268,3 +276,22 @@ def test_after_a_skipped_step_the_zeros_that_zero_grad_keeps_step_every_tensor(s
     assert run_program(2, [zero_grad, "step"], sonar, plain)[0] == "exact"
     every = {n for n, _ in plain.model.named_parameters()}
     assert set(weights_differ(plain.model, before)) == every == set(weights_differ(sonar.model, before))
+
+
+ONE_EXPERT_FIRST = ["inputs_dense_and_expert", "step", "optimizer_zero_grad", "backward", "step"]
+
+
+def test_bf16_sgd_experts_with_and_without_momentum_are_refused_at_the_step():
+    """bf16 SGD with momentum (torch's foreach path): one expert tensor stepped alone first, then every
+    expert: refused at the step, before any weight moves (torch's step over the expert group takes its
+    per-tensor path where Sonar's own update of that tensor would not). In fp32 torch's fused SGD
+    raises on such a group; Sonar's steps its tensors with and without a buffer in two calls."""
+    sonar, plain = loops("eager", torch.bfloat16, "dense", options=Options("sgd"))
+    outcome, op, message = run_program(0, ONE_EXPERT_FIRST, sonar, plain)
+    assert (outcome, op) == ("refused", "step") and REFUSED[2] in message, (outcome, op, message)
+
+
+def test_negative_control_deferred_mixed_momentum_differs_without_the_refusal(monkeypatch):
+    monkeypatch.setattr("sonar_fx.optim.optimizer.refuse_mixed_momentum", lambda *args: None)
+    with pytest.raises(AssertionError, match=r"tensors differ"):
+        run_program(0, ONE_EXPERT_FIRST, *loops("eager", torch.bfloat16, "dense", options=Options("sgd")))

@@ -7,7 +7,8 @@ backward (each expert tensor by its own gradient, clipped alone under expert_cli
 `AdamW(fused=True)` over the dense tensors, clipped by their global norm and stepped at `step()`.
 Arms: eager hooks, `sonar_fx.compile(..., compiler="aot_eager")` and `sonar_fx.prepare` then
 `torch.compile` with the sonar backend (aot_eager), each with accumulation None (a second backward
-into the experts before `step()` is refused) and "per_microbatch" (each backward updates them).
+into the experts before `step()` is refused) and "per_microbatch" (each backward updates them); and
+an optimizer options arm (eager: `fuzz_loops.Options` and `OPTIMIZER_OPS`).
 Seeded (`SONAR_FX_FUZZ_PROGRAMS` soaks each arm)."""
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ REFUSED = {
     "two forwards, compiled": "a compiled module ran a second forward with gradients before any backward",
     "penalty, compiled": "through the compiled graph that updates them in-graph and from outside it",
     "LR set after backward": "the experts' param group changed between backward and step()",
+    "mixed SGD momentum": "none yet, because some expert tensors stepped before the others",
 }
 
 # Two forwards into one backward and a penalty on the expert weights are refused there at once, on both
@@ -105,8 +107,8 @@ def plain_loop(model: torch.nn.Module, route: str, expert_names: set[str], cfg, 
     params = dict(model.named_parameters())
     experts = [p for n, p in params.items() if n in expert_names]
     dense = [p for n, p in params.items() if n not in expert_names]
-    expert_opt = options.plain(model, expert_names, cfg)
-    dense_opt = options.plain(model, set(params) - expert_names, cfg)
+    expert_opt = options.plain(model, [expert_names], cfg)
+    dense_opt = options.plain(model, [set(params) - expert_names], cfg)
 
     def after_backward() -> None:  # the expert update Sonar runs inside that backward
         if cfg.expert_clip == "per_tensor":
@@ -294,3 +296,27 @@ def test_a_penalty_under_regional_compile_is_refused_before_any_block_moves():
         run(**data[2]).loss.backward()
         model.sonar.step()
     assert model.sonar.report()["updates_in_graph"] == 8
+
+
+# Seed 34 of the soaked options arm (per_microbatch), minimised: one expert tensor steps alone first.
+ONE_EXPERT_FIRST = ["inputs_dense_and_expert", "backward"]
+
+
+def test_bf16_sgd_experts_with_and_without_momentum_are_refused_before_they_move():
+    """bf16 SGD with momentum: after a backward(inputs=) that stepped one expert tensor alone, a backward
+    reaching every expert would step that one on torch's foreach path for a group whose tensors all
+    hold a buffer, where torch's step over the group takes its per-tensor path (other bits). Refused
+    when the backward reaches the first expert, naming the habit and the fixes; `run_program` asserts
+    no weight moved and both sides agree."""
+    sonar, plain = loops("eager", "per_microbatch", None, Options("sgd"))
+    outcome, op, message = run_program(0, ONE_EXPERT_FIRST, sonar, plain)
+    assert (outcome, op) == ("refused", "backward"), (outcome, op, message)
+    assert REFUSED["mixed SGD momentum"] in message and "model.layers.0.mlp.experts" in message
+    assert "backward(inputs=...)" in message and "fp32" in message and "momentum=0" in message
+
+
+def test_negative_control_without_the_refusal_mixed_momentum_differs(monkeypatch):
+    """The refusal guards a real difference: with it off, the program trains other bits than torch."""
+    monkeypatch.setattr("sonar_fx.optim.optimizer.refuse_mixed_momentum", lambda *args: None)
+    with pytest.raises(AssertionError, match=r"1 tensors differ, e\.g\. \['model\.layers\.0\.mlp\.experts"):
+        run_program(0, ONE_EXPERT_FIRST, *loops("eager", "per_microbatch", None, Options("sgd")))
