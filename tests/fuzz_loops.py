@@ -237,15 +237,12 @@ class Options:
         groups = []
         for names in roles:
             params = [(n, p) for n, p in named.items() if n in names]
-            groups += [dict(params=[p for n, p in params if n not in exempt])]
+            groups.append(dict(params=[p for n, p in params if n not in exempt]))
             if any(n in exempt for n, _ in params):
                 groups.append(dict(params=[p for n, p in params if n in exempt], weight_decay=0.0))
         if isinstance(cfg, SGDConfig):
-            kernel = (
-                dict(fused=True)
-                if all(p.dtype == torch.float32 for p in named.values())
-                else dict(foreach=True)
-            )
+            fp32 = all(p.dtype == torch.float32 for p in named.values())
+            kernel = dict(fused=True) if fp32 else dict(foreach=True)
             return torch.optim.SGD(
                 groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel
             )
@@ -263,6 +260,10 @@ def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
+GRADIENT_OPS = {"backward", "backward_of_two", "penalty", "inputs_dense", "inputs_dense_and_expert"}
+"""The ops that write gradients into the model (`grad_of_embedding` returns its own)."""
+
+
 def repeats_a_step(ops: list[str]) -> bool:
     """Two steps in `ops` with no backward between them (zero_grad of either kind allowed between)."""
     since_step = None
@@ -274,7 +275,3 @@ def repeats_a_step(ops: list[str]) -> bool:
         elif since_step is not None:
             since_step.add(op)
     return False
-
-
-GRADIENT_OPS = {"backward", "backward_of_two", "penalty", "inputs_dense", "inputs_dense_and_expert"}
-"""The ops that write gradients into the model (`grad_of_embedding` returns its own)."""
