@@ -216,6 +216,25 @@ def test_optimizer_options_programs_are_bitwise_or_refused():
     assert {"set_lr", "scheduler_step", "optimizer_zero_grad_keep"} <= drawn, runs
 
 
+def test_grad_scaler_optimizer_options_programs_are_bitwise_or_refused():
+    """The options arm under a GradScaler (fp16 autocast, fp32 weights, a scale that overflows): the
+    scaler's skipped steps meet the LR ops, SGD and the weight-decay groups."""
+    outcomes = []
+    for seed in seeds(6):
+        rng = random.Random(seed)
+        options, clip, keep_budget = Options.draw(rng), rng.choice(["all", "dense"]), rng.choice([0, 1 << 30])
+        sonar, plain = loops(
+            "eager", torch.float32, clip, scaled=True, keep_budget=keep_budget, options=options
+        )
+        ops = with_gradients(program(rng, OPTIMIZER_OPS, rng.randint(5, 10)))
+        outcome, op, message = run_program(seed, ops, sonar, plain)
+        assert outcome == "exact" or any(r in message for r in REFUSED), (
+            f"seed {seed}: refused {op}: {message}"
+        )
+        outcomes.append(outcome)
+    both_outcomes(outcomes)
+
+
 # ---------------------------------------------------------------- what the fuzzer found, minimised
 
 ZEROS_THEN_STEP = ["backward", "model_zero_grad_keep", "step"]
