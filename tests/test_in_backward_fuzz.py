@@ -7,7 +7,8 @@ backward (each expert tensor by its own gradient, clipped alone under expert_cli
 `AdamW(fused=True)` over the dense tensors, clipped by their global norm and stepped at `step()`.
 Arms: eager hooks, `sonar_fx.compile(..., compiler="aot_eager")` and `sonar_fx.prepare` then
 `torch.compile` with the sonar backend (aot_eager), each with accumulation None (a second backward
-into the experts before `step()` is refused) and "per_microbatch" (each backward updates them).
+into the experts before `step()` is refused) and "per_microbatch" (each backward updates them); and
+an optimizer options arm (eager: `fuzz_loops.Options` and `OPTIMIZER_OPS`).
 Seeded (`SONAR_FX_FUZZ_PROGRAMS` soaks each arm)."""
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ from sonar_fx.backend import sonar_backend
 from sonar_fx.models import build_model
 from sonar_fx.optim.saving import ON_SAVING_LOST_ENV
 
-from fuzz_loops import OPS, Loop, apply, program, run_program, seeds, sonar_warnings_quiet
+from fuzz_loops import (
+    OPS,
+    OPTIMIZER_OPS,
+    Loop,
+    Options,
+    apply,
+    program,
+    repeats_a_step,
+    run_program,
+    seeds,
+    sonar_warnings_quiet,
+    step_lr,
+)
 from helpers import CFG, assert_same_weights, batches
 
 MAX_NORM = 0.05  # below every backward's norm on this model: each clip is active
@@ -39,6 +52,8 @@ REFUSED = {
     "second step": "no backward since the last step",
     "two forwards, compiled": "a compiled module ran a second forward with gradients before any backward",
     "penalty, compiled": "through the compiled graph that updates them in-graph and from outside it",
+    "LR set after backward": "the experts' param group changed between backward and step()",
+    "mixed SGD momentum": "none yet, because some expert tensors stepped before the others",
 }
 
 # Two forwards into one backward and a penalty on the expert weights are refused there at once, on both
@@ -62,27 +77,38 @@ def one_dynamo_cache():
     torch._dynamo.reset()
 
 
-def loops(route: str, accumulation: str | None, expert_clip: str | None) -> tuple[Loop, Loop]:
+def loops(
+    route: str, accumulation: str | None, expert_clip: str | None, options: Options | None = None
+) -> tuple[Loop, Loop]:
+    """Sonar and plain torch; `options`: the optimizer (AdamW or SGD), weight-decay groups and
+    granularity (default: AdamW, no groups, batched)."""
     model = build_model("tiny-olmoe", dtype=torch.bfloat16, seed=0)
     twin_model = copy.deepcopy(model)
-    cfg = replace(CFG, max_grad_norm=MAX_NORM, expert_clip=expert_clip)
+    options = options or Options()
+    cfg = options.config(replace(CFG, max_grad_norm=MAX_NORM, expert_clip=expert_clip), model)
+    granularity = options.granularity
     if route == "torch.compile":
-        opt = sonar_fx.prepare(model, cfg, accumulation=accumulation)
+        opt = sonar_fx.prepare(model, cfg, accumulation=accumulation, granularity=granularity)
         run = torch.compile(model, backend=sonar_backend("aot_eager", schedule=None))
     else:
         compiler = "eager" if route == "eager" else "aot_eager"
-        run = sonar_fx.compile(model, cfg, compiler=compiler, accumulation=accumulation)
+        run = sonar_fx.compile(
+            model, cfg, compiler=compiler, accumulation=accumulation, granularity=granularity
+        )
         opt = model.sonar
-    sonar = Loop(model, run, opt.step, opt.zero_grad)
-    return sonar, plain_loop(twin_model, route, {opt.expert_name(p) for p in opt.expert_group["params"]}, cfg)
+    sonar = Loop(
+        model, run, opt.step, opt.zero_grad, param_groups=opt.param_groups, schedulers=[step_lr(opt)]
+    )
+    names = {opt.expert_name(p) for p in opt.experts.params}  # every expert group, split by decay or not
+    return sonar, plain_loop(twin_model, route, names, cfg, options)
 
 
-def plain_loop(model: torch.nn.Module, route: str, expert_names: set[str], cfg) -> Loop:
+def plain_loop(model: torch.nn.Module, route: str, expert_names: set[str], cfg, options: Options) -> Loop:
     params = dict(model.named_parameters())
     experts = [p for n, p in params.items() if n in expert_names]
     dense = [p for n, p in params.items() if n not in expert_names]
-    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
-    expert_opt, dense_opt = torch.optim.AdamW(experts, **hyper), torch.optim.AdamW(dense, **hyper)
+    expert_opt = options.plain(model, [expert_names], cfg)
+    dense_opt = options.plain(model, [set(params) - expert_names], cfg)
 
     def after_backward() -> None:  # the expert update Sonar runs inside that backward
         if cfg.expert_clip == "per_tensor":
@@ -96,12 +122,16 @@ def plain_loop(model: torch.nn.Module, route: str, expert_names: set[str], cfg) 
         torch.nn.utils.clip_grad_norm_(dense, MAX_NORM)
         dense_opt.step()
 
-    def zero_grad() -> None:
-        dense_opt.zero_grad()
-        expert_opt.zero_grad()
+    def zero_grad(set_to_none: bool = True) -> None:
+        dense_opt.zero_grad(set_to_none)
+        expert_opt.zero_grad(set_to_none)
 
     run = model if route == "eager" else torch.compile(model, backend="aot_eager")
-    return Loop(model, run, step, zero_grad, after_backward=after_backward)
+    both = (expert_opt, dense_opt)
+    groups = [g for o in both for g in o.param_groups]
+    loop = Loop(model, run, step, zero_grad, after_backward=after_backward, param_groups=groups)
+    loop.schedulers = [step_lr(o) for o in both]
+    return loop
 
 
 def run(seed: int, route: str, accumulation: str | None) -> tuple[str, str | None]:
@@ -109,6 +139,11 @@ def run(seed: int, route: str, accumulation: str | None) -> tuple[str, str | Non
     sonar, plain = loops(route, accumulation, rng.choice([None, "per_tensor"]))
     ops = {"eager": OPS, "compile": COMPILED_OPS, "torch.compile": COMPILED_OPS}[route]
     outcome, op, message = run_program(seed, program(rng, ops, rng.randint(5, 10)), sonar, plain)
+    return verdict(seed, outcome, op, message)
+
+
+def verdict(seed: int, outcome: str, op: str | None, message: str | None) -> tuple[str, str | None]:
+    """(outcome, the habit a refusal names), having asserted that a refusal names one of `REFUSED`."""
     if outcome == "refused":
         habit = next((h for h, text in REFUSED.items() if text in message), None)
         assert habit is not None, f"seed {seed}: refused {op}: {message}"
@@ -129,6 +164,26 @@ def test_one_backward_per_step_programs_are_bitwise_or_refused(route):
     """accumulation=None: the second backward into the experts before `step()` is refused."""
     outcomes = [run(seed, route, None) for seed in seeds(6)]
     assert any(o == "exact" for o, _ in outcomes) and any(o == "refused" for o, _ in outcomes), outcomes
+
+
+def run_options(seed: int, accumulation: str | None) -> tuple[str, str | None, list[str]]:
+    """An options arm's program (eager hooks): `OPTIMIZER_OPS` over the optimizer `Options` drawn;
+    returns (outcome, the habit a refusal names, the ops run: the refused one last)."""
+    rng = random.Random(seed)
+    options = Options.draw(rng)
+    sonar, plain = loops("eager", accumulation, rng.choice([None, "per_tensor"]), options)
+    ops, ran = program(rng, OPTIMIZER_OPS, rng.randint(5, 10)), []
+    return (*verdict(seed, *run_program(seed, ops, sonar, plain, ran=ran)), ran)
+
+
+def test_optimizer_options_programs_are_bitwise_or_refused():
+    """AdamW or SGD, weight-decay groups, per-expert updates, accumulation None and "per_microbatch" in
+    turn; the LR set by hand and by a torch scheduler (refused between backward and step, where the
+    experts already moved with the old LR), the optimizer's zero_grad(set_to_none=False), steps with no
+    backward between them."""
+    runs = [run_options(seed, (None, "per_microbatch")[seed % 2]) for seed in seeds(4)]
+    assert [o for o, _, _ in runs].count("exact") >= len(runs) // 2, runs
+    assert any(repeats_a_step(ops) for _, _, ops in runs), runs  # exact, or refused at the repeated step
 
 
 # ---------------------------------------------------------------- what the fuzzer found, minimised
@@ -210,7 +265,7 @@ def test_a_penalty_inside_the_compiled_forward_is_exact_and_updated_in_graph():
     cfg = replace(CFG, max_grad_norm=MAX_NORM)
     penalised = sonar_fx.compile(Penalised(model), cfg, compiler="aot_eager")
     names = {penalised.sonar.expert_name(p) for p in penalised.sonar.expert_group["params"]}
-    plain = plain_loop(Penalised(twin_model), "eager", names, cfg)
+    plain = plain_loop(Penalised(twin_model), "eager", names, cfg, Options())
     with sonar_warnings_quiet():
         for batch in batches(2, seq=8, seed=0):
             penalised(**batch).backward()
@@ -241,3 +296,27 @@ def test_a_penalty_under_regional_compile_is_refused_before_any_block_moves():
         run(**data[2]).loss.backward()
         model.sonar.step()
     assert model.sonar.report()["updates_in_graph"] == 8
+
+
+# Seed 34 of the soaked options arm (per_microbatch), minimised: one expert tensor steps alone first.
+ONE_EXPERT_FIRST = ["inputs_dense_and_expert", "backward"]
+
+
+def test_bf16_sgd_experts_with_and_without_momentum_are_refused_before_they_move():
+    """bf16 SGD with momentum: after a backward(inputs=) that stepped one expert tensor alone, a backward
+    reaching every expert would step that one on torch's foreach path for a group whose tensors all
+    hold a buffer, where torch's step over the group takes its per-tensor path (other bits). Refused
+    when the backward reaches the first expert, naming the habit and the fixes; `run_program` asserts
+    no weight moved and both sides agree."""
+    sonar, plain = loops("eager", "per_microbatch", None, Options("sgd"))
+    outcome, op, message = run_program(0, ONE_EXPERT_FIRST, sonar, plain)
+    assert (outcome, op) == ("refused", "backward"), (outcome, op, message)
+    assert REFUSED["mixed SGD momentum"] in message and "model.layers.0.mlp.experts" in message
+    assert "backward(inputs=...)" in message and "fp32" in message and "momentum=0" in message
+
+
+def test_negative_control_without_the_refusal_mixed_momentum_differs(monkeypatch):
+    """The refusal guards a real difference: with it off, the program trains other bits than torch."""
+    monkeypatch.setattr("sonar_fx.optim.optimizer.refuse_mixed_momentum", lambda *args: None)
+    with pytest.raises(AssertionError, match=r"1 tensors differ, e\.g\. \['model\.layers\.0\.mlp\.experts"):
+        run_program(0, ONE_EXPERT_FIRST, *loops("eager", "per_microbatch", None, Options("sgd")))

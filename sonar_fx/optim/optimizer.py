@@ -50,6 +50,7 @@ from sonar_fx.optim.reduction import GradReduction, refuse_unreduced
 from sonar_fx.optim.report import report
 from sonar_fx.optim.rules import matrix_rule_for, rule_for
 from sonar_fx.optim.saving import OnSavingLost, SavingGuard, expert_grad_bytes, resolve_on_saving_lost
+from sonar_fx.optim.sgd import refuse_mixed_momentum
 from sonar_fx.optim.stats import SonarStats
 from sonar_fx.optim.step_tracker import Accumulation, StepTracker
 from sonar_fx.optim.untracked import UntrackedGradients
@@ -141,6 +142,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         self._zeroed_experts: set[int] = set()  # zero_grad(set_to_none=False) left torch a zero .grad
         self._stepped_experts: set[int] = set()  # updated by the last deferred step: torch's .grad holds them
         self.checked_in_backward: tuple[int, str] | None = None  # `group_checks.refuse_before_update`
+        self._momentum_checked_task: int | None = None  # the backward `_refuse_mixed_momentum` last checked
         # id(group) -> (an expert param group, its settings at this step's last update from it)
         self._expert_hyperparameters: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self.clipper = ExpertClipper(self.cfg.expert_clip, self.cfg.max_grad_norm)
@@ -311,6 +313,10 @@ class SonarOptimizer(torch.optim.Optimizer):
             return
         if self.tracker.before_update(name):
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        task = torch._C._current_graph_task_id()
+        if self.schedule == "in_backward" and task != self._momentum_checked_task:
+            self._momentum_checked_task = task  # the first expert update of this backward: none moved yet
+            self._refuse_mixed_momentum()
         g = grad_like_param(param, grad)
         norm = self.clipper.norm_of(name, g)
         found_inf = self.nonfinite_policy.flag(name, grad, norm)
@@ -325,6 +331,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.tracker.record(name)
         self._expert_hyperparameters[id(group)] = (group, hyperparameters(group))
         self.stats.record_update(name, path, calls=calls)
+
+    def _refuse_mixed_momentum(self) -> None:
+        """Before any expert of a backward (the deferred step: of the step) moves: every SGD expert group's
+        tensors hold a momentum buffer, or none does (`sgd.refuse_mixed_momentum`)."""
+        for group, rule in self.group_rules():
+            if role_of(group) == "experts" and rule.name == "sgd":
+                refuse_mixed_momentum(group, self.state, self.expert_name)
 
     def backward_began(self) -> None:
         """A backward reached the model's outputs (`backward_root`): await its end."""
@@ -361,6 +374,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         refuse_group_edits(self.group_rules())  # before any weight moves: a flag edited mid-run
         self.tracker.before_step()
         if self.schedule == "deferred":
+            self._refuse_mixed_momentum()
             self._make_kept_zeros()
             self._stepped_experts.clear()
             deferred_step.step(self)

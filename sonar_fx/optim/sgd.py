@@ -9,17 +9,24 @@ MEASURED (torch 2.13 CPU): `torch._fused_sgd_` leaves bf16 (and fp16) CPU tensor
 without momentum, and raises nothing: `torch.optim.SGD(fused=True)` silently does not train them. Such
 tensors take torch's foreach SGD instead (`torch.optim.SGD(foreach=True)`'s arithmetic), and
 `torch_sgd` builds the matching twin, so no path trains silently wrong.
+
+MEASURED (torch 2.13 CPU, bf16): torch's foreach SGD steps the momentum of a param group whose tensors
+all hold a buffer with `_foreach_mul_` / `_foreach_add_`, and that of a group where some tensor has
+none yet with `buf.mul_(momentum).add_(grad)` per tensor: other bits. Sonar updates each expert tensor
+on its own, so an expert group with some buffers and not others would train differently from torch's
+step over the group: `refuse_mixed_momentum` refuses it before any weight moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.sgd import sgd as sgd_functional
 
+from sonar_fx.errors import SonarUsageError
 from sonar_fx.optim.adamw import grad_like_param
 
 
@@ -85,6 +92,30 @@ def torch_sgd(params: Sequence[Any], **hyper: Any) -> torch.optim.SGD:
     if fused_kernel_works(tensors):
         return torch.optim.SGD(params, fused=True, **hyper)
     return torch.optim.SGD(params, foreach=True, **hyper)
+
+
+def refuse_mixed_momentum(
+    group: dict[str, Any], state: Mapping[Tensor, dict[str, Any]], name_of: Callable[[Tensor], str]
+) -> None:
+    """Raise if some tensors of the expert param group `group` hold a momentum buffer and others none
+    while they take torch's foreach SGD (see the module docstring): Sonar steps each on its own, torch
+    would step the group on its per-tensor path. `state`: the optimizer's, read without adding keys."""
+    params = group["params"]
+    if not group.get("momentum") or fused_kernel_works(params):
+        return
+    held = [p for p in params if "momentum_buffer" in state.get(p, {})]
+    if not held or len(held) == len(params):
+        return
+    lacking = [p for p in params if "momentum_buffer" not in state.get(p, {})]
+    raise SonarUsageError(
+        f"SGD with momentum on {params[0].dtype} CPU expert tensors: {name_of(held[0])} holds a momentum "
+        f"buffer and {name_of(lacking[0])} ({len(lacking)} tensor(s) in all) none yet, because some expert "
+        "tensors stepped before the others (a backward(inputs=...) naming some of them). torch's foreach "
+        "SGD, the path these tensors take, steps such a group with other bf16 roundings than one whose "
+        "tensors all hold a buffer, and Sonar updates each expert tensor on its own: the bits would differ "
+        "from torch.optim.SGD. Step every expert tensor from the first step on (leave expert tensors out "
+        "of backward(inputs=...)), train the experts in fp32 (torch's fused SGD), or use momentum=0."
+    )
 
 
 def _kernel(
