@@ -131,3 +131,36 @@ def test_a_sum_over_many_backwards_holds_the_total_and_one_piece():
     grad, peak = measure_peak(lambda: store.gradient(w_fd, consume=True), sizes={nbytes})
     assert peak.sized_peak_bytes == 2 * nbytes, peak
     assert torch.equal(grad, expected) and store.crossed == {}
+
+
+def _cases() -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(param, operands): views of the param, fresh tensors, two views of one buffer; real, fake, meta."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def operands(w: torch.Tensor) -> list[torch.Tensor]:
+        buf = w.new_empty(6, 4)
+        return [w, w.t(), w[1], buf[:2], buf[2:].t(), w.new_empty(3, 4)]
+
+    real = torch.nn.Parameter(torch.randn(4, 4))
+    meta = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    with FakeTensorMode():
+        fake = torch.nn.Parameter(torch.empty(4, 4))
+        fake_case = (fake, operands(fake))
+    return [(real, operands(real)), fake_case, (meta, operands(meta))]
+
+
+def test_operand_storages_answers_as_same_storage_and_storages_of():
+    """The hand-over's storage bookkeeping asks one question of fakeness per hand-over
+    (`kept_storages.operand_storages`): its answers are `registry.same_storage` per operand and
+    `storages_of` over the others, on real, fake (every fake storage's address is 0) and meta tensors."""
+    from sonar_fx.optim.kept_storages import operand_storages
+    from sonar_fx.runtime.registry import same_storage
+
+    for param, ops in _cases():
+        aliases, storages = operand_storages(param, ops)
+        assert aliases == [same_storage(param, t) for t in ops], param.device
+        assert storages == storages_of(t for t, alias in zip(ops, aliases, strict=True) if not alias)
+    real, fake, _ = _cases()
+    assert operand_storages(*real)[0] == [True, True, True, False, False, False]
+    assert operand_storages(*fake)[0] == [True, True, True, False, False, False]
+    assert len(operand_storages(*fake)[1]) == 2  # the buffer's two views, once; the fresh tensor

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 from sonar_fx.errors import SonarUsageError
@@ -46,10 +47,9 @@ from sonar_fx.optim.deferred_entries import (
     alive_for_a_moment,
     pieces,
 )
-from sonar_fx.optim.kept_storages import StorageLedger, storages_of
+from sonar_fx.optim.kept_storages import StorageLedger, operand_storages, storages_of
 from sonar_fx.runtime.engine import accumulate_grad_node, gradient_fate
 from sonar_fx.runtime.meter import ExpertGradMeter
-from sonar_fx.runtime.registry import same_storage
 
 NO_TASK = -1  # what autograd reports outside any backward
 
@@ -128,13 +128,22 @@ class DeferredGrads:
         return self._ledger.live_bytes
 
     def add(
-        self, param: Tensor, name: str, recipe: str, operands: list[Tensor], *, reached: Tensor | None = None
+        self,
+        param: Tensor,
+        name: str,
+        recipe: str,
+        operands: list[Tensor],
+        *,
+        reached: Tensor | None = None,
+        node: Node | None = None,
     ) -> None:
         """One weight-gradient GEMM's operands for `param`, from the backward running now. `reached`:
-        the tensor autograd accumulates into for `param`, where that is another (FSDP2's unsharded one)."""
-        kept = [_weight_view(t) if same_storage(param, t) else t for t in operands]
-        storages = storages_of(t for t in kept if isinstance(t, Tensor))
-        self._contribute(param, name, Kept(recipe, kept, storages), param if reached is None else reached)
+        the tensor autograd accumulates into for `param`, where that is another (FSDP2's unsharded one);
+        `node`: its AccumulateGrad node, where the caller looked it up (`accumulation_node`)."""
+        aliases, storages = operand_storages(param, operands)
+        kept = [_weight_view(t) if alias else t for t, alias in zip(operands, aliases, strict=True)]
+        entry = Kept(recipe, kept, storages)
+        self._contribute(param, name, entry, param if reached is None else reached, node)
 
     def add_whole(self, param: Tensor, name: str) -> None:
         """`param.grad`, arrived whole in this backward (its hook calls this): moved out of `.grad`, which
@@ -153,14 +162,16 @@ class DeferredGrads:
         pending.closed.insert(0, [grad])
         self._swap(pending, dropped=[], added=[grad])
 
-    def _contribute(self, param: Tensor, name: str, entry: Entry, reached: Tensor | None) -> None:
+    def _contribute(
+        self, param: Tensor, name: str, entry: Entry, reached: Tensor | None, node: Node | None = None
+    ) -> None:
         """`entry` joins its backward's contributions (`reached`: the tensor whose AccumulateGrad ends
         them; None: it is running now)."""
         pending = self.kept.get(id(param))
         if pending is None:
             pending = self.kept[id(param)] = _Pending(param)
         task = torch._C._current_graph_task_id()
-        self._group(pending, task, reached).append(entry)
+        self._group(pending, task, reached, node).append(entry)
         self._swap(pending, dropped=[], added=[entry])
         # The crossover is the operands outgrowing the gradient (each storage they live in counted
         # once); whole gradients are summed as their backward's sum is complete (`_settle`) and never
@@ -173,7 +184,7 @@ class DeferredGrads:
         elif pending.folded and task == NO_TASK:
             self._fold(pending)  # a contribution outside any backward: its own, added now
 
-    def _group(self, pending: _Pending, task: int, reached: Tensor | None) -> list[Entry]:
+    def _group(self, pending: _Pending, task: int, reached: Tensor | None, node: Node | None) -> list[Entry]:
         """The running backward's contributions of `pending` (a call outside any backward: one of its own)."""
         if task == NO_TASK:
             pending.closed.append([])
@@ -186,10 +197,10 @@ class DeferredGrads:
         if group is None:
             group = pending.open[task] = []
             if reached is not None:
-                self._await_accumulation(pending, task, reached)
+                self._await_accumulation(pending, task, reached, node)
         return group
 
-    def _await_accumulation(self, pending: _Pending, task: int, reached: Tensor) -> None:
+    def _await_accumulation(self, pending: _Pending, task: int, reached: Tensor, node: Node | None) -> None:
         """Settle `pending`'s contributions of backward `task` when autograd runs `reached`'s
         AccumulateGrad node in it: its engine runs that node once every use of the tensor in this
         backward has handed in its part, where plain torch adds the backward's sum to `.grad`."""
@@ -200,7 +211,7 @@ class DeferredGrads:
             if grad_outputs[0] is None and self.kept.get(id(pending.param)) is pending:
                 self._settle(pending, task)
 
-        handle = accumulate_grad_node(reached).register_prehook(accumulating)
+        handle = (node if node is not None else accumulate_grad_node(reached)).register_prehook(accumulating)
         self._hooks.setdefault(task, []).append(handle)
 
     def _settle(self, pending: _Pending, task: int) -> None:
@@ -291,11 +302,13 @@ class DeferredGrads:
     def held(self, param: Tensor) -> Tensor | None:
         """`param`'s step gradient when it is already one tensor (arrived whole or accumulated past the
         crossover, in the store or in `.grad`), to be read in place; else None."""
-        if self.pieces(param) != 1:
-            return None
         pending = self.kept.get(id(param))
         if pending is None:
             return param.grad
+        if not pending.whole_entries:  # kept operands alone (the usual case): asked of every tensor
+            return None  # twice a pass, so answered before the pieces are counted (`_tally` keeps it)
+        if self.pieces(param) != 1:
+            return None
         entry = next(e for g in pending.groups() for e in g)
         return entry if isinstance(entry, Tensor) else None
 
@@ -367,12 +380,21 @@ def _weight_view(t: Tensor) -> WeightView:
     return WeightView(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
 
-def wanted_by_this_backward(param: Tensor, name: str) -> bool:
+def accumulation_node(target: Tensor) -> Node | None:
+    """`target`'s AccumulateGrad node in the running backward, looked up once per hand-over for the two
+    questions asked of it (`wanted_by_this_backward`, and the node whose run settles the backward's sum:
+    `DeferredGrads.add`); None outside any backward or for a frozen tensor (neither asks then)."""
+    if torch._C._current_graph_task_id() == NO_TASK or not target.requires_grad:
+        return None
+    return accumulate_grad_node(target)
+
+
+def wanted_by_this_backward(param: Tensor, name: str, node: Node | None = None) -> bool:
     """Whether the running backward accumulates into `param` (plain torch would give it a gradient):
     not under `backward(inputs=...)` without it, nor `torch.autograd.grad` of other tensors (autograd's
     engine answers: `sonar_fx.runtime.engine`). Refused: `torch.autograd.grad` of the expert tensor
     itself (its gradient exists only at `step()`)."""
-    fate = gradient_fate(param)
+    fate = gradient_fate(param, node)
     if fate == "requested":
         raise SonarUsageError(
             f"{name}: torch.autograd.grad() of an expert tensor under schedule='deferred': its "

@@ -48,11 +48,13 @@ def keep_operands(
             "every model of one class with the same schedule, or call torch._dynamo.reset() between them."
         )
     group_checks.refuse_before_update(opt, "deferred")
+    target = param if reached is None else reached
+    node = deferred.accumulation_node(target)
     # Plain torch would not accumulate into it: keep nothing.
-    if not deferred.wanted_by_this_backward(param if reached is None else reached, name):
+    if not deferred.wanted_by_this_backward(target, name, node):
         return
     crossed = opt.deferred.crossed_over(param)
-    opt.deferred.add(param, name, recipe, operands, reached=reached)
+    opt.deferred.add(param, name, recipe, operands, reached=reached, node=node)
     if opt.deferred.crossed_over(param) and not crossed:
         # Past the crossover: its gradient is held from now until step() (the store counts it alive).
         nbytes = param.numel() * param.element_size()

@@ -17,11 +17,38 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from sonar_fx.runtime.registry import storage_key
 
 StorageId = tuple[torch.device, int]
 """A storage alive now: its device and `registry.storage_key` (an address is reused only once freed)."""
+
+
+def operand_storages(param: Tensor, operands: list[Tensor]) -> tuple[list[bool], dict[StorageId, int]]:
+    """For one hand-over of `param`'s operands: which of them live in `param`'s own storage (the
+    weight, or a view of it: `registry.same_storage`), and the storages of the others, each once
+    (`storages_of`). The same answers as those two, for one question of fakeness per hand-over
+    instead of one per storage looked at (`registry.storage_key` asks each tensor, and the question
+    costs more than the rest of the hand-over's bookkeeping): a hand-over's tensors come from one
+    computation, so they are all fake (`sonar_fx.plan`) or all real."""
+    fake = is_fake(getattr(param, "_local_tensor", param))
+    own = _storage_id(param, fake)
+    aliases, found = [], {}
+    for t in operands:
+        local = getattr(t, "_local_tensor", t)
+        sid = _storage_id(local, fake)
+        alias = sid == own and local.device.type != "meta"  # meta tensors have no storage to share
+        aliases.append(alias)
+        if not alias:
+            found[sid] = local.untyped_storage().nbytes()
+    return aliases, found
+
+
+def _storage_id(t: Tensor, fake: bool) -> StorageId:
+    local = getattr(t, "_local_tensor", t)
+    storage = local.untyped_storage()
+    return (local.device, int(storage._cdata) if fake else storage.data_ptr())
 
 
 def storages_of(tensors: Iterable[Tensor]) -> dict[StorageId, int]:

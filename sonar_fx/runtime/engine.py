@@ -29,15 +29,17 @@ _REQUESTED_LEAF = "currently running autograd.grad()"  # the engine's refusal fo
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
 
 
-def gradient_fate(param: Tensor) -> GradientFate:
+def gradient_fate(param: Tensor, node: Node | None = None) -> GradientFate:
     """The fate of `param`'s gradient in the backward running on this thread. Outside any backward (the
-    op called directly) it is "accumulate": the caller asked for the update itself."""
+    op called directly) it is "accumulate": the caller asked for the update itself. `node`: `param`'s
+    `accumulate_grad_node`, where the caller looked it up already (it costs more than the question)."""
     if torch._C._current_graph_task_id() == NO_TASK:
         return "accumulate"
     if not param.requires_grad:
         return "left_out"  # frozen since the forward: torch accumulates nothing into it
     try:
-        executes = torch._C._will_engine_execute_node(accumulate_grad_node(param))
+        node = node if node is not None else accumulate_grad_node(param)
+        executes = torch._C._will_engine_execute_node(node)
     except RuntimeError as err:
         # The engine answers for a leaf of `torch.autograd.grad` by refusing to: it captures that
         # gradient for the caller instead of executing the leaf's node.
