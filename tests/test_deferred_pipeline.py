@@ -46,6 +46,8 @@ class Recorder:
     started: list[weakref.ref] = field(default_factory=list)
     most_started_alive: int = 0
     """The most gradients started earlier still alive (not garbage) when a computation begins."""
+    dense_at: list[int] = field(default_factory=list)
+    """Where in `log` each step's dense update ran (its length then)."""
 
     def reduce(self, name: str, grad: torch.Tensor):
         self.log.append(("start", name))
@@ -62,6 +64,13 @@ class Recorder:
             return compute(param, **kwargs)
 
         store.gradient = logged
+        dense_update = opt.dense_update
+
+        def dense_logged() -> None:
+            self.dense_at.append(len(self.log))
+            dense_update()
+
+        opt.dense_update = dense_logged
 
 
 @pytest.fixture
@@ -158,3 +167,19 @@ def test_negative_control_nothing_in_flight_finishes_each_at_once(recorded):
     assert opt.meter.last_peak == max(sizes)
     assert opt.report()["deferred"]["overlapped"] == 0
     assert recorder.most_started_alive == 0
+
+
+@pytest.mark.parametrize("clip", ["all", "dense"])
+def test_the_dense_update_runs_beside_the_last_reduction(recorded, clip):
+    """No next expert gradient is left to overlap the last one's collective: the dense update does
+    (after every verdict and the clip, so it still moves nothing on a refused or skipped step)."""
+    recorder, model, opt, twin_model = recorded(in_flight=True, accum=1, clip=clip)
+    assert_same_weights(model, twin_model)
+    last = opt.expert_name(opt.expert_group["params"][-1])
+    log, ends = recorder.log, [len(recorder.log) // 2, len(recorder.log)]  # 2 steps, equal logs
+    assert len(recorder.dense_at) == 2
+    for begin, at, end in zip([0, ends[0]], recorder.dense_at, ends, strict=True):
+        step = log[begin:end]
+        started = max(i for i, e in enumerate(step) if e == ("start", last))  # the update pass's
+        waited = max(i for i, e in enumerate(step) if e == ("wait", last))
+        assert started < at - begin <= waited, (step, at - begin)

@@ -42,7 +42,9 @@ class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protoco
 
     def expert_name(self, param: Tensor) -> str: ...
 
-    def dense_step(self) -> None: ...
+    def dense_step(self, *, update: bool = True) -> None: ...
+
+    def dense_update(self) -> None: ...
 
     def end_step(self) -> None: ...
 
@@ -56,7 +58,8 @@ class SonarOptimizer(global_clip.Optimizer, deferred_loop.LoopOptimizer, Protoco
 @torch.no_grad()
 def step(opt: SonarOptimizer) -> None:
     """The deferred schedule's `step()`: verdicts first (a scaler's inf check, the global norm), then
-    the dense step, then each expert computed, clipped, updated and freed in turn."""
+    the dense step's verdict and clip, then each expert computed, clipped, updated and freed in turn,
+    and the dense update beside the last expert reduction in flight."""
     store = opt.deferred
     reduce = step_reduction(opt.distributed)  # an engine's check of the loop, before any weight moves
     experts: list[Tensor] = [p for p in opt.experts.params if store.has(p) or opt.kept_grads.holds(p)]
@@ -93,7 +96,8 @@ def step(opt: SonarOptimizer) -> None:
     if opt.loop.clip is not None:  # model.sonar.clip_grad_norm_: its norms and coefficient, recorded
         opt.clipper.coef, opt.clipper.backward_pass = opt.loop.clip.coef, "update"
     skipped = opt.clipper.skip_step
-    opt.dense_step()
+    opt.dense_step(update=False)  # its verdict and clip now, before any weight moves; its update below
+    dense_updates = not opt.clipper.skip_step  # not where the dense verdict skipped the dense half
     if skipped:  # nonfinite="skip": the whole step, as if its batches had never been seen
         store.clear()
         opt.kept_grads.clear()
@@ -121,6 +125,10 @@ def step(opt: SonarOptimizer) -> None:
                 del grad  # the flight holds it until its update, which frees it
             del kept
             names.append(name)
+        # The dense update runs while the last expert gradient's collective is in flight: no next
+        # gradient is left to overlap it with (the dense and expert tensors are apart: the same bits).
+        if dense_updates:
+            opt.dense_update()
     store.overlapped += line.overlapped
     err = opt.nonfinite_policy.after_backward(names, opt._any_rank)
     opt.end_step()

@@ -38,9 +38,10 @@ class SonarOptimizer(global_clip.Optimizer, Protocol):
     def _state(self, param: Tensor, *, expert: str | None = None, rule: Any = None) -> dict[str, Any]: ...
 
 
-def dense_step(opt: SonarOptimizer) -> None:
+def dense_step(opt: SonarOptimizer, *, update: bool = True) -> None:
     """The dense half of `step()`: the dense (or, under expert_clip="global", total) norm, the
-    non-finite check, clipping and the update of every dense group."""
+    non-finite check, clipping and (`update`) the update of every dense group. Without `update` the
+    caller runs `dense_update` later (the deferred step: beside its last expert reduction)."""
     if opt.clipper.skip_step:
         return
     params = [p for p in opt.dense_params() if p.grad is not None]
@@ -67,6 +68,12 @@ def dense_step(opt: SonarOptimizer) -> None:
     clip_by = norms.total if opt.cfg.expert_clip == "global" else norms.dense
     if opt.cfg.clips and clip_by is not None and grads:
         torch.nn.utils.clip_grads_with_norm_(params, opt.cfg.max_grad_norm, clip_by)  # type: ignore[arg-type]
+    if update:
+        dense_update(opt)
+
+
+def dense_update(opt: SonarOptimizer) -> None:
+    """Every dense group's update with its (clipped) gradients: after `dense_step(update=False)`."""
     for group, rule in opt._dense_updates():
         stepped = [p for p in group["params"] if p.grad is not None]
         states = [opt._state(p, rule=rule) for p in stepped]

@@ -39,7 +39,7 @@ from sonar_fx.optim.checks import (
     refuse_unsupported,
 )
 from sonar_fx.optim.deferred import DeferredGrads
-from sonar_fx.optim.dense_step import dense_step
+from sonar_fx.optim.dense_step import dense_step, dense_update
 from sonar_fx.optim.grad_watch import DenseGradWatch
 from sonar_fx.optim.group_checks import refuse_before_update, refuse_group_edits
 from sonar_fx.optim.keep_budget import KeptGradients, check_keep_budget
@@ -390,9 +390,13 @@ class SonarOptimizer(torch.optim.Optimizer):
         self.dense_step()
         self.end_step()
 
-    def dense_step(self) -> None:
-        """The dense half of `step()` (`sonar_fx.optim.dense_step`)."""
-        dense_step(self)
+    def dense_step(self, *, update: bool = True) -> None:
+        """The dense half of `step()` (`sonar_fx.optim.dense_step`); `update=False`: all but the update,
+        which `dense_update` runs."""
+        dense_step(self, update=update)
+
+    def dense_update(self) -> None:
+        dense_update(self)
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:
         """Backward for this optimizer's step; returns the loss, detached. `loss` is the loss, or a
