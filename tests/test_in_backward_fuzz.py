@@ -103,7 +103,10 @@ def loops(
     return sonar, plain_loop(twin_model, route, names, cfg, options)
 
 
-def plain_loop(model: torch.nn.Module, route: str, expert_names: set[str], cfg, options: Options) -> Loop:
+def plain_loop(
+    model: torch.nn.Module, route: str, expert_names: set[str], cfg, options: Options | None = None
+) -> Loop:
+    options = options or Options()  # AdamW, one expert group: what the arms without options run
     params = dict(model.named_parameters())
     experts = [p for n, p in params.items() if n in expert_names]
     dense = [p for n, p in params.items() if n not in expert_names]
