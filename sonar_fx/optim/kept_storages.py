@@ -45,10 +45,9 @@ def operand_storages(param: Tensor, operands: list[Tensor]) -> tuple[list[bool],
     return aliases, found
 
 
-def _storage_id(t: Tensor, fake: bool) -> StorageId:
+def _storage_id(t: Tensor, fake: bool | None = None) -> StorageId:
     local = getattr(t, "_local_tensor", t)
-    storage = local.untyped_storage()
-    return (local.device, int(storage._cdata) if fake else storage.data_ptr())
+    return (local.device, storage_key(local, fake=fake))
 
 
 def storages_of(tensors: Iterable[Tensor]) -> dict[StorageId, int]:
@@ -57,7 +56,7 @@ def storages_of(tensors: Iterable[Tensor]) -> dict[StorageId, int]:
     found: dict[StorageId, int] = {}
     for t in tensors:
         local = getattr(t, "_local_tensor", t)
-        found[(local.device, storage_key(local))] = local.untyped_storage().nbytes()
+        found[_storage_id(local)] = local.untyped_storage().nbytes()
     return found
 
 

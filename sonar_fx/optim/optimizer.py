@@ -396,6 +396,7 @@ class SonarOptimizer(torch.optim.Optimizer):
         dense_step(self, update=update)
 
     def dense_update(self) -> None:
+        """The dense groups' update, after `dense_step(update=False)` (the deferred step)."""
         dense_update(self)
 
     def backward(self, loss: Tensor | Callable[[], Tensor]) -> Tensor:

@@ -102,11 +102,12 @@ def same_storage(a: Tensor, b: Tensor) -> bool:
     return storage_key(a) == storage_key(b)
 
 
-def storage_key(t: Tensor) -> int:
+def storage_key(t: Tensor, *, fake: bool | None = None) -> int:
     """Which storage `t` lives in: its address, or for a fake tensor (`sonar_fx.plan` runs the deferred
-    step on them, and every fake storage's address is 0) the storage object's identity."""
+    step on them, and every fake storage's address is 0) the storage object's identity. `fake`: whether
+    `t` is one, where the caller knows already (the question costs more than the rest)."""
     storage = t.untyped_storage()
-    return int(storage._cdata) if is_fake(t) else storage.data_ptr()
+    return int(storage._cdata) if (is_fake(t) if fake is None else fake) else storage.data_ptr()
 
 
 def bound_count() -> int:
